@@ -1,0 +1,210 @@
+"""Command line: ``serve``, ``status`` and ``check-config``.
+
+Exit codes: 0 success; 1 a runtime failure (NVML unavailable for ``status``, the port taken);
+2 bad usage (flags, config or scenario), always with a one-line message and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from exporter import __version__
+from exporter.collect import Collector
+from exporter.config import SETTINGS, Config, load_config
+from exporter.nvml import Nvml
+from exporter.procfs import ProcFs
+from exporter.yamlconf import ConfigError
+
+log = logging.getLogger("exporter")
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+_SERVE_ONLY = {"listen", "interval", "deadline", "log_level", "history"} | {
+    s.key for s in SETTINGS if s.key.startswith("tls.")
+}
+
+
+class UsageError(Exception):
+    """Bad input from the user; exit 2 with this message."""
+
+
+def _add_settings(parser: argparse.ArgumentParser, serve: bool) -> None:
+    parser.add_argument(
+        "--config", metavar="FILE", help="YAML config file (env GPU_EXPORTER_CONFIG)"
+    )
+    for setting in SETTINGS:
+        if setting.key in _SERVE_ONLY and not serve:
+            continue
+        help_text = f"{setting.help} (config {setting.key}, env {setting.env})"
+        if setting.key == "simulate":
+            parser.add_argument(
+                "--simulate",
+                nargs="?",
+                const="builtin",
+                metavar="SCENARIO",
+                dest="simulate",
+                help="run on simulated GPUs: the built-in scenario, or SCENARIO.yaml "
+                f"(config simulate, env {setting.env})",
+            )
+        else:
+            parser.add_argument(
+                setting.flag,
+                dest=setting.key,
+                metavar=setting.key.split(".")[-1].upper(),
+                help=help_text,
+            )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="gpu-exporter",
+        description="NVIDIA GPU exporter: one NVML sample per interval, served as Prometheus "
+        "metrics and JSON.",
+    )
+    parser.add_argument("--version", action="version", version=f"gpu-exporter {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    serve = commands.add_parser("serve", help="sample GPUs and serve /metrics, /healthz, /snapshot")
+    _add_settings(serve, serve=True)
+    status = commands.add_parser("status", help="print every GPU and its processes once")
+    _add_settings(status, serve=False)
+    status.add_argument("--json", action="store_true", help="print the Snapshot as JSON")
+    check = commands.add_parser("check-config", help="validate a config file (exit 0 or 2)")
+    check.add_argument("file", metavar="FILE")
+    return parser
+
+
+def _config(args: argparse.Namespace) -> Config:
+    import os
+
+    flags = {s.key: getattr(args, s.key, None) for s in SETTINGS}
+    return load_config(args.config or os.environ.get("GPU_EXPORTER_CONFIG"), flags)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+@contextlib.contextmanager
+def _simulation(config: Config) -> Iterator[Any]:
+    """Install the configured simulation (if any) for the duration of the block."""
+    if not config.simulate:
+        yield None
+        return
+    from exporter.simulate import simulate
+
+    driver = simulate(config.simulate)
+    try:
+        yield driver
+    finally:
+        driver.uninstall()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print one Snapshot as a table or JSON."""
+    from exporter.status import format_status
+
+    config = _config(args)
+    _setup_logging("critical" if not args.json else "error")
+    with _simulation(config):
+        collector = Collector(Nvml(), ProcFs(config.proc_root))
+        try:
+            snapshot = collector.sample()
+        finally:
+            collector.close()
+    if not snapshot.nvml_up:
+        print(
+            f"gpu-exporter: NVML is not available: {snapshot.nvml_error}. Is the NVIDIA driver "
+            "installed and loaded? To try gpu-exporter without a GPU: gpu-exporter status --simulate",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    if args.json:
+        print(json.dumps(snapshot.to_dict(), indent=1))
+    else:
+        print(format_status(snapshot))
+    return EXIT_OK
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Sample and serve until SIGTERM or SIGINT."""
+    from exporter.http import App, serve
+    from exporter.sampler import Sampler
+
+    config = _config(args)
+    _setup_logging(config.log_level)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with _simulation(config) as driver:
+        collector = Collector(Nvml(), ProcFs(config.proc_root))
+        sampler = Sampler(
+            collector, interval=config.interval, deadline=config.deadline, history=config.history
+        )
+        try:
+            server = serve(
+                App(sampler),
+                config.listen.host,
+                config.listen.port,
+                cert_file=config.tls_cert_file,
+                key_file=config.tls_key_file,
+                client_ca_file=config.tls_client_ca_file,
+            )
+        except OSError as exc:
+            print(
+                f"gpu-exporter: cannot serve on {config.listen}: {exc.strerror or exc}",
+                file=sys.stderr,
+            )
+            return EXIT_FAILURE
+        sampler.start()
+        scheme = "https" if config.tls_cert_file else "http"
+        log.info(
+            "serving on %s://%s (interval %gs%s)",
+            scheme,
+            config.listen,
+            config.interval,
+            f", simulated GPUs: {config.simulate}" if driver else "",
+        )
+        while not stop.wait(0.5):
+            pass
+        server.close()
+        if not sampler.stop(timeout=0.5):
+            log.warning("a sample is still running (NVML hung?); exiting without waiting for it")
+        collector.close(timeout=0.5)
+    log.info("stopped")
+    return EXIT_OK
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    """Validate a config file."""
+    load_config(args.file, environ={})
+    print(f"{args.file}: ok")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``gpu-exporter`` command."""
+    args = build_parser().parse_args(argv)
+    handlers = {"serve": cmd_serve, "status": cmd_status, "check-config": cmd_check_config}
+    try:
+        return handlers[args.command](args)
+    except ConfigError as exc:
+        print(f"gpu-exporter: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130

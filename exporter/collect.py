@@ -1,0 +1,197 @@
+"""One sample: NVML and procfs in, one immutable Snapshot out.
+
+Keeps what must survive between samples: NVML's state and init backoff, and each GPU's static
+facts (read once per initialisation, and again when a failed GPU comes back).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from exporter.nvml import GpuFailed, Nvml, NvmlProcess, NvmlUnavailable
+from exporter.procfs import ProcessInfo, ProcFs
+from exporter.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, SampleError, Snapshot
+
+log = logging.getLogger(__name__)
+
+
+class Collector:
+    """Builds Snapshots; owns NVML initialisation, re-initialisation and backoff."""
+
+    def __init__(
+        self,
+        nvml: Nvml,
+        procfs: ProcFs,
+        *,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        backoff_initial: float = 1.0,
+        backoff_max: float = 60.0,
+    ) -> None:
+        self.nvml = nvml
+        self.procfs = procfs
+        self._clock = clock
+        self._monotonic = monotonic
+        self._backoff_initial = backoff_initial
+        self._backoff_max = backoff_max
+        self._backoff = backoff_initial
+        self._next_init = 0.0
+        self._nvml_error = ""
+        self._host = HostInfo(hostname=socket.gethostname())
+        self._infos: dict[int, GpuInfo] = {}
+        self._known_uuids: dict[int, str] = {}
+        self._seq = 0
+
+    def sample(self) -> Snapshot:
+        """Take one sample. Never raises for NVML, GPU or procfs trouble: it is in the Snapshot."""
+        wall, started = self._clock(), self._monotonic()
+        calls_before = self.nvml.calls
+        errors: list[SampleError] = []
+        gpus: tuple[Gpu, ...] = ()
+        if not self.nvml.initialized and started >= self._next_init:
+            self._initialize(errors, started)
+        if self.nvml.initialized:
+            try:
+                gpus = self._sample_gpus(errors)
+            except NvmlUnavailable as exc:
+                self._lost(exc, errors, started)
+        self._seq += 1
+        return Snapshot(
+            seq=self._seq,
+            timestamp=wall,
+            monotonic=started,
+            duration_seconds=self._monotonic() - started,
+            nvml_up=self.nvml.initialized,
+            host=self._host,
+            gpus=gpus,
+            errors=tuple(errors),
+            nvml_error="" if self.nvml.initialized else self._nvml_error,
+            nvml_calls=self.nvml.calls - calls_before,
+        )
+
+    def close(self, timeout: float = 1.0) -> bool:
+        """Shut NVML down; False when a hung call prevented it."""
+        return self.nvml.shutdown(timeout)
+
+    # -- NVML lifecycle -----------------------------------------------------------------------
+
+    def _initialize(self, errors: list[SampleError], now: float) -> None:
+        try:
+            self._host = self.nvml.init()
+        except NvmlUnavailable as exc:
+            self._down(exc, errors, now)
+            return
+        self._infos.clear()
+        if self._nvml_error:
+            log.warning("NVML is back: driver %s", self._host.driver_version or "?")
+        else:
+            log.info(
+                "NVML initialised: driver %s, CUDA %s",
+                self._host.driver_version or "?",
+                self._host.cuda_version or "?",
+            )
+        self._nvml_error = ""
+        self._backoff = self._backoff_initial
+
+    def _lost(self, exc: NvmlUnavailable, errors: list[SampleError], now: float) -> None:
+        self.nvml.shutdown()
+        self._infos.clear()
+        self._backoff = self._backoff_initial
+        self._down(exc, errors, now)
+
+    def _down(self, exc: NvmlUnavailable, errors: list[SampleError], now: float) -> None:
+        message = str(exc)
+        errors.append(SampleError("init", exc.error, message=message))
+        if message != self._nvml_error:
+            log.error(
+                "NVML unavailable: %s; retrying with backoff (at most every %.0fs)",
+                message,
+                self._backoff_max,
+            )
+        else:
+            log.debug("NVML still unavailable: %s", message)
+        self._nvml_error = message
+        self._next_init = now + self._backoff
+        self._backoff = min(self._backoff * 2, self._backoff_max)
+
+    # -- GPUs ---------------------------------------------------------------------------------
+
+    def _sample_gpus(self, errors: list[SampleError]) -> tuple[Gpu, ...]:
+        count = self.nvml.device_count()
+        if set(self._infos) - set(range(count)):
+            self._infos.clear()  # GPUs went away: indices may now name other GPUs
+        seen: dict[int, ProcessInfo | None] = {}  # procfs is read once per pid per sample
+        return tuple(self._sample_gpu(index, errors, seen) for index in range(count))
+
+    def _sample_gpu(
+        self, index: int, errors: list[SampleError], seen: dict[int, ProcessInfo | None]
+    ) -> Gpu:
+        info = self._infos.get(index)
+        try:
+            if info is None:
+                info = self.nvml.read_info(index)
+                if self._known_uuids.get(index) not in (None, info.uuid):
+                    log.warning("GPU %d is now %s", index, info.uuid)
+                self._infos[index] = info
+                self._known_uuids[index] = info.uuid
+            reading = self.nvml.read_gpu(info)
+        except GpuFailed as exc:
+            was_up = self._infos.pop(index, None) is not None
+            if was_up:
+                log.error("GPU %d (%s) failed: %s", index, self._known_uuids.get(index, "?"), exc)
+            errors.append(SampleError("gpu", exc.error, index, message=str(exc)))
+            return Gpu(
+                index=index,
+                uuid=self._known_uuids.get(index, ""),
+                up=False,
+                info=info,
+                error=str(exc),
+            )
+        errors.extend(reading.errors)
+        if reading.processes is None:
+            return reading.gpu
+        return replace(reading.gpu, processes=self._enrich(reading.processes, seen))
+
+    def _enrich(
+        self, listed: list[NvmlProcess], seen: dict[int, ProcessInfo | None]
+    ) -> tuple[GpuProcess, ...]:
+        merged: dict[tuple[int, str], int | None] = {}
+        for proc in listed:  # one entry per (pid, type): MIG lists a pid once per instance
+            key = (proc.pid, proc.type)
+            if key in merged and merged[key] is not None and proc.used_memory_bytes is not None:
+                merged[key] = merged[key] + proc.used_memory_bytes  # type: ignore[operator]
+            elif key not in merged:
+                merged[key] = proc.used_memory_bytes
+        out = []
+        for (pid, kind), used in merged.items():
+            if pid not in seen:
+                seen[pid] = self.procfs.process(pid)
+            out.append(to_gpu_process(pid, kind, used, seen[pid]))
+        return tuple(out)
+
+
+def to_gpu_process(pid: int, kind: str, used: int | None, info: ProcessInfo | None) -> GpuProcess:
+    """A Snapshot process from NVML's view and procfs' (None: not visible under the root)."""
+    if info is None:
+        return GpuProcess(pid=pid, type=kind, used_memory_bytes=used, visible=False)
+    return GpuProcess(
+        pid=pid,
+        type=kind,
+        used_memory_bytes=used,
+        visible=True,
+        name=info.name,
+        user=info.user,
+        uid=info.uid,
+        cmdline=info.cmdline,
+        state=info.state,
+        ppid=info.ppid,
+        pgid=info.pgid,
+        sid=info.sid,
+        start_time=info.start_time,
+        container_id=info.container_id,
+        pod_uid=info.pod_uid,
+    )

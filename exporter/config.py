@@ -1,0 +1,252 @@
+"""The agent's settings: defaults, YAML file, environment variables and flags, in that order.
+
+Every setting has a YAML key, a flag and an environment variable (``GPU_EXPORTER_`` + the key in
+upper case, dots as underscores). Flags override variables, which override the file. Each bad
+value raises ConfigError naming where it came from (file:line, flag or variable) and why.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from exporter.units import parse_duration
+from exporter.yamlconf import ConfigError, Section, load_document
+
+DEFAULT_PORT = 9402
+BUILTIN_SCENARIO = "builtin"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class Listen:
+    """Where the HTTP server binds; an empty host means every interface."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated settings of one agent."""
+
+    listen: Listen
+    interval: float
+    deadline: float
+    log_level: str
+    simulate: str | None  # None, "builtin", or a scenario file
+    proc_root: str
+    tls_cert_file: str | None
+    tls_key_file: str | None
+    tls_client_ca_file: str | None
+    history: int
+
+
+def parse_listen(value: Any) -> Listen:
+    """``HOST:PORT``, ``:PORT`` (every interface) or ``[IPV6]:PORT``."""
+    text = str(value).strip()
+    host, sep, port_text = text.rpartition(":")
+    if not sep:
+        raise ValueError(f"expected HOST:PORT such as 0.0.0.0:{DEFAULT_PORT}, got {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"write IPv6 addresses in brackets, like [::]:{DEFAULT_PORT}")
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"port must be a number from 1 to 65535, got {port_text!r}")
+    if any(ch.isspace() for ch in host):
+        raise ValueError(f"invalid host {host!r}")
+    return Listen(host, int(port_text))
+
+
+def _positive_duration(minimum: float) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        seconds = parse_duration(value)
+        if seconds < minimum:
+            raise ValueError(f"must be at least {minimum:g}s, got {value!r}")
+        return seconds
+
+    return parse
+
+
+def _optional_duration(value: Any) -> float | None:
+    return None if value in (None, "", "auto") else _positive_duration(0.01)(value)
+
+
+def _log_level(value: Any) -> str:
+    text = str(value).strip().lower()
+    if text not in LOG_LEVELS:
+        raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return text
+
+
+def _simulate(value: Any) -> str | None:
+    if value is None or value is False or str(value).strip().lower() in ("", "false", "no", "off"):
+        return None
+    if value is True or str(value).strip().lower() in ("true", "yes", "on", BUILTIN_SCENARIO):
+        return BUILTIN_SCENARIO
+    path = str(value)
+    if not os.path.isfile(path):
+        raise ValueError(f"scenario file {path!r} does not exist")
+    return path
+
+
+def _directory(value: Any) -> str:
+    path = str(value)
+    if not os.path.isdir(path):
+        raise ValueError(f"{path!r} is not a directory")
+    return path
+
+
+def _optional_file(value: Any) -> str | None:
+    if value in (None, ""):
+        return None
+    path = str(value)
+    if not os.path.isfile(path):
+        raise ValueError(f"file {path!r} does not exist")
+    return path
+
+
+def _history(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).isdigit():
+        raise ValueError(f"must be a whole number, got {value!r}")
+    if not 1 <= int(value) <= 100_000:
+        raise ValueError(f"must be from 1 to 100000, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: its YAML key (dotted), flag, parser, default and meaning."""
+
+    key: str
+    flag: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+
+    @property
+    def env(self) -> str:
+        return "GPU_EXPORTER_" + self.key.replace(".", "_").upper()
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "listen",
+        "--listen",
+        parse_listen,
+        f"0.0.0.0:{DEFAULT_PORT}",
+        f"HOST:PORT to serve HTTP on (default all interfaces, port {DEFAULT_PORT})",
+    ),
+    Setting(
+        "interval",
+        "--interval",
+        _positive_duration(0.01),
+        "5s",
+        "time between samples (default 5s)",
+    ),
+    Setting(
+        "deadline",
+        "--deadline",
+        _optional_duration,
+        None,
+        "how long a sample may take before the Snapshot counts as stale; default: the interval",
+    ),
+    Setting("log_level", "--log-level", _log_level, "info", "debug, info, warning or error"),
+    Setting(
+        "simulate",
+        "--simulate",
+        _simulate,
+        None,
+        "run on simulated GPUs: 'builtin' or a scenario YAML file",
+    ),
+    Setting("paths.proc", "--proc", _directory, "/proc", "procfs root (/host/proc in a container)"),
+    Setting(
+        "tls.cert_file",
+        "--tls-cert-file",
+        _optional_file,
+        None,
+        "serve HTTPS with this certificate",
+    ),
+    Setting(
+        "tls.key_file", "--tls-key-file", _optional_file, None, "private key of --tls-cert-file"
+    ),
+    Setting(
+        "tls.client_ca_file",
+        "--tls-client-ca-file",
+        _optional_file,
+        None,
+        "require client certificates signed by this CA",
+    ),
+    Setting("history", "--history", _history, 120, "Snapshots kept for rules over time"),
+)
+BY_KEY = {setting.key: setting for setting in SETTINGS}
+
+
+def _from_file(path: str) -> dict[str, Any]:
+    root = load_document(path).root()
+    sections: dict[str, Section] = {"": root}
+    values: dict[str, Any] = {}
+    for setting in SETTINGS:
+        prefix, _, name = setting.key.rpartition(".")
+        if prefix not in sections:
+            sections[prefix] = root.section(prefix)
+        section = sections[prefix]
+        if section.has(name):
+            values[setting.key] = section.get(name, setting.parse)
+        else:
+            section.get(name, str, None)  # known, absent
+    for section in sections.values():
+        section.done()
+    return values
+
+
+def load_config(
+    path: str | None,
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Merge defaults, the file at ``path``, ``environ`` and ``flags`` (by setting key)."""
+    environ = os.environ if environ is None else environ
+    flags = flags or {}
+    values = {s.key: s.parse(s.default) if s.default is not None else None for s in SETTINGS}
+    if path:
+        values.update(_from_file(path))
+    for setting in SETTINGS:
+        if setting.env in environ:
+            values[setting.key] = _parse(
+                setting, environ[setting.env], f"environment variable {setting.env}"
+            )
+    for setting in SETTINGS:
+        if flags.get(setting.key) is not None:
+            values[setting.key] = _parse(setting, flags[setting.key], f"flag {setting.flag}")
+    where = path or "settings"
+    if bool(values["tls.cert_file"]) != bool(values["tls.key_file"]):
+        raise ConfigError(where, "tls", "cert_file and key_file go together: set both or neither")
+    if values["tls.client_ca_file"] and not values["tls.cert_file"]:
+        raise ConfigError(where, "tls.client_ca_file", "needs tls.cert_file and tls.key_file")
+    return Config(
+        listen=values["listen"],
+        interval=values["interval"],
+        deadline=values["deadline"] if values["deadline"] is not None else values["interval"],
+        log_level=values["log_level"],
+        simulate=values["simulate"],
+        proc_root=values["paths.proc"],
+        tls_cert_file=values["tls.cert_file"],
+        tls_key_file=values["tls.key_file"],
+        tls_client_ca_file=values["tls.client_ca_file"],
+        history=values["history"],
+    )
+
+
+def _parse(setting: Setting, raw: Any, where: str) -> Any:
+    try:
+        return setting.parse(raw)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(where, "", str(exc)) from None

@@ -1,0 +1,216 @@
+"""HTTP routes over the latest Snapshot: ``/metrics``, ``/healthz``, ``/snapshot`` and ``/``.
+
+No route calls NVML or procfs: they read ``sampler.latest``. The server is prometheus_client's
+threaded WSGI server, with its TLS and client-certificate support.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs
+
+from prometheus_client.exposition import start_wsgi_server
+
+from exporter import __version__
+from exporter.metrics import CONTENT_TYPE, render_liveness
+from exporter.sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+StartResponse = Callable[..., Any]
+_MAX_QUERY = 4096
+_LANDING = """<!doctype html>
+<html><head><meta charset="utf-8"><title>gpu-exporter</title></head>
+<body><h1>gpu-exporter {version}</h1>
+<p>{status}</p>
+<ul>
+<li><a href="metrics">/metrics</a>: Prometheus metrics</li>
+<li><a href="healthz">/healthz</a>: 200 while the Snapshot is fresh and NVML answers</li>
+<li><a href="snapshot">/snapshot</a>: the latest Snapshot as JSON
+(<code>?gpu=INDEX|UUID</code>, repeatable)</li>
+</ul></body></html>
+"""
+
+
+class BadRequest(Exception):
+    """A client error: status line and a one-line message."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Response:
+    status: str
+    content_type: str
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+def _text(status: str, message: str) -> Response:
+    return Response(status, "text/plain; charset=utf-8", (message + "\n").encode())
+
+
+class App:
+    """The WSGI application; every route reads the sampler's latest publication."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+        self._routes: dict[
+            str, tuple[Callable[[dict[str, list[str]], dict[str, Any]], Response], frozenset[str]]
+        ] = {
+            "/": (self.landing, frozenset()),
+            "/metrics": (self.metrics, frozenset()),
+            "/healthz": (self.healthz, frozenset()),
+            "/snapshot": (self.snapshot, frozenset({"gpu"})),
+        }
+
+    def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        try:
+            response = self._dispatch(environ)
+        except BadRequest as exc:
+            response = _text(exc.status, str(exc))
+        except Exception:  # never a traceback to the client, and the server goes on
+            log.exception("error serving %s", environ.get("PATH_INFO"))
+            response = _text("500 Internal Server Error", "internal error; see the agent's log")
+        headers = [("Content-Type", response.content_type), *response.headers]
+        body = response.body
+        if environ.get("REQUEST_METHOD") == "HEAD":
+            headers.append(("Content-Length", str(len(body))))
+            body = b""
+        else:
+            headers.append(("Content-Length", str(len(body))))
+        start_response(response.status, headers)
+        return [body]
+
+    def _dispatch(self, environ: dict[str, Any]) -> Response:
+        path = environ.get("PATH_INFO") or "/"
+        route = self._routes.get(path)
+        if route is None:
+            raise BadRequest("404 Not Found", f"no such path {path!r}; see / for the routes")
+        method = environ.get("REQUEST_METHOD", "GET")
+        if method not in ("GET", "HEAD"):
+            response = _text("405 Method Not Allowed", f"{method} is not allowed; use GET")
+            return Response(
+                response.status, response.content_type, response.body, (("Allow", "GET, HEAD"),)
+            )
+        handler, allowed = route
+        return handler(self._params(environ.get("QUERY_STRING", ""), allowed), environ)
+
+    @staticmethod
+    def _params(query: str, allowed: frozenset[str]) -> dict[str, list[str]]:
+        if len(query) > _MAX_QUERY:
+            raise BadRequest("414 URI Too Long", f"query string longer than {_MAX_QUERY} bytes")
+        try:
+            params = parse_qs(
+                query, keep_blank_values=True, strict_parsing=bool(query), max_num_fields=64
+            )
+        except ValueError as exc:
+            raise BadRequest("400 Bad Request", f"malformed query string: {exc}") from None
+        for name in params:
+            if name not in allowed:
+                accepted = ", ".join(sorted(allowed)) or "none"
+                raise BadRequest(
+                    "400 Bad Request",
+                    f"unknown query parameter {name!r} (accepted here: {accepted})",
+                )
+        return params
+
+    # -- routes ---------------------------------------------------------------------------
+
+    def landing(self, params: dict[str, list[str]], environ: dict[str, Any]) -> Response:
+        health = self.sampler.health()
+        status = "Healthy." if health.ok else f"Not healthy: {health.reason}"
+        page = _LANDING.format(version=__version__, status=status)
+        return Response("200 OK", "text/html; charset=utf-8", page.encode())
+
+    def metrics(self, params: dict[str, list[str]], environ: dict[str, Any]) -> Response:
+        published = self.sampler.latest
+        health = self.sampler.health()
+        body = (published.exposition if published else b"") + render_liveness(
+            health.age_seconds, health.stale
+        )
+        if "gzip" in environ.get("HTTP_ACCEPT_ENCODING", ""):
+            return Response(
+                "200 OK",
+                CONTENT_TYPE,
+                gzip.compress(body, compresslevel=1),
+                (("Content-Encoding", "gzip"),),
+            )
+        return Response("200 OK", CONTENT_TYPE, body)
+
+    def healthz(self, params: dict[str, list[str]], environ: dict[str, Any]) -> Response:
+        health = self.sampler.health()
+        return _text("200 OK" if health.ok else "503 Service Unavailable", health.reason)
+
+    def snapshot(self, params: dict[str, list[str]], environ: dict[str, Any]) -> Response:
+        published = self.sampler.latest
+        if published is None:
+            raise BadRequest("503 Service Unavailable", "no sample yet")
+        data = published.snapshot.to_dict()
+        wanted = params.get("gpu")
+        if wanted:
+            gpus = [g for g in data["gpus"] if str(g["index"]) in wanted or g["uuid"] in wanted]
+            missing = set(wanted) - {str(g["index"]) for g in gpus} - {g["uuid"] for g in gpus}
+            if missing:
+                raise BadRequest(
+                    "404 Not Found", f"no GPU {sorted(missing)[0]!r} in the latest Snapshot"
+                )
+            data["gpus"] = gpus
+        health = self.sampler.health()
+        data["health"] = {"ok": health.ok, "reason": health.reason, "stale": health.stale}
+        body = json.dumps(data, indent=1, sort_keys=False).encode()
+        return Response("200 OK", "application/json", body)
+
+
+class _NoMetrics:
+    def collect(self) -> Iterable[Any]:
+        return iter(())
+
+
+_NO_METRICS: Any = _NoMetrics()
+
+
+@dataclass
+class Server:
+    """A running HTTP server; ``close`` stops it."""
+
+    httpd: Any
+    thread: Any
+
+    @property
+    def port(self) -> int:
+        return int(self.httpd.server_address[1])
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def serve(
+    app: App,
+    host: str,
+    port: int,
+    *,
+    cert_file: str | None = None,
+    key_file: str | None = None,
+    client_ca_file: str | None = None,
+) -> Server:
+    """Serve ``app`` on a daemon thread; raises OSError when the address cannot be bound."""
+    httpd, thread = start_wsgi_server(
+        port,
+        addr=host or "0.0.0.0",
+        registry=_NO_METRICS,  # what its own app would serve in the instant before set_app
+        certfile=cert_file,
+        keyfile=key_file,
+        client_cafile=client_ca_file,
+        client_auth_required=bool(client_ca_file),
+    )
+    httpd.set_app(app)  # prometheus_client starts it with its own app; ours takes over at once
+    return Server(httpd, thread)

@@ -1,0 +1,322 @@
+"""Snapshot -> Prometheus text exposition.
+
+The exposition is rendered once per sample (by the sampler thread) and served as bytes; a scrape
+only appends the few liveness lines that depend on the time of the scrape.
+A field that is None in the Snapshot has no series; label sets never change shape.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+
+from exporter import __version__
+from exporter.snapshot import CLOCK_EVENT_REASONS, Gpu, Snapshot
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+GPU_LABELS = ["gpu", "uuid"]
+INFO_LABELS = [
+    "gpu",
+    "uuid",
+    "name",
+    "pci_bus_id",
+    "serial",
+    "minor_number",
+    "driver_version",
+    "cuda_version",
+]
+PROCESS_LABELS = ["gpu", "uuid", "pid", "user", "process", "type"]
+
+
+@dataclass
+class SelfStats:
+    """The agent's own counters, kept by the sampler across samples."""
+
+    interval_seconds: float
+    samples_total: int = 0
+    deadline_exceeded_total: int = 0
+    errors_total: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def count(self, snapshot: Snapshot, deadline: float) -> None:
+        """Add one finished sample to the counters."""
+        self.samples_total += 1
+        if snapshot.duration_seconds > deadline:
+            self.deadline_exceeded_total += 1
+        for error in snapshot.errors:
+            key = (error.source, error.error)
+            self.errors_total[key] = self.errors_total.get(key, 0) + 1
+
+
+class _Families:
+    """The ``collect()`` interface generate_latest expects, over a fixed list of families."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
+def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=GPU_LABELS if labels is None else labels)
+
+
+def _per_gpu(
+    gpus: Iterable[Gpu], name: str, doc: str, value: Callable[[Gpu], float | None]
+) -> GaugeMetricFamily:
+    family = _gauge(name, doc)
+    for gpu in gpus:
+        number = value(gpu)
+        if number is not None and not math.isnan(number):
+            family.add_metric([str(gpu.index), gpu.uuid], number)
+    return family
+
+
+def gpu_families(snapshot: Snapshot) -> list[Metric]:
+    """Every ``gpu_*`` and ``gpu_process_*`` family of one Snapshot."""
+    host = snapshot.host
+    info = _gauge("gpu_info", "Identity of a GPU; always 1.", INFO_LABELS)
+    up = _gauge("gpu_up", "1 while the GPU's last sample succeeded, 0 when it failed.")
+    for gpu in snapshot.gpus:
+        up.add_metric([str(gpu.index), gpu.uuid], 1.0 if gpu.up else 0.0)
+        if gpu.info is not None:
+            minor = gpu.info.minor_number
+            info.add_metric(
+                [
+                    str(gpu.index),
+                    gpu.uuid,
+                    gpu.info.name,
+                    gpu.info.pci_bus_id,
+                    gpu.info.serial,
+                    "" if minor is None else str(minor),
+                    host.driver_version,
+                    host.cuda_version,
+                ],
+                1.0,
+            )
+    live = [gpu for gpu in snapshot.gpus if gpu.up]
+
+    def static(gpu: Gpu, attr: str) -> float | None:
+        return getattr(gpu.info, attr) if gpu.info is not None else None
+
+    families: list[Metric] = [
+        info,
+        up,
+        _per_gpu(
+            live,
+            "gpu_memory_total_bytes",
+            "Total GPU memory.",
+            lambda g: static(g, "memory_total_bytes"),
+        ),
+        _per_gpu(
+            live,
+            "gpu_memory_used_bytes",
+            "GPU memory in use (without reserved memory where the driver has memory info v2).",
+            lambda g: g.memory_used_bytes,
+        ),
+        _per_gpu(live, "gpu_memory_free_bytes", "Free GPU memory.", lambda g: g.memory_free_bytes),
+        _per_gpu(
+            live,
+            "gpu_memory_reserved_bytes",
+            "GPU memory reserved by the driver and firmware (memory info v2).",
+            lambda g: g.memory_reserved_bytes,
+        ),
+        _per_gpu(
+            live,
+            "gpu_utilization_ratio",
+            "Fraction of the last sample period a kernel ran (0-1).",
+            lambda g: g.utilization_ratio,
+        ),
+        _per_gpu(
+            live,
+            "gpu_memory_utilization_ratio",
+            "Fraction of the last sample period device memory was read or written (0-1).",
+            lambda g: g.memory_utilization_ratio,
+        ),
+        _per_gpu(
+            live,
+            "gpu_temperature_celsius",
+            "GPU core temperature.",
+            lambda g: g.temperature_celsius,
+        ),
+        _per_gpu(
+            live,
+            "gpu_memory_temperature_celsius",
+            "GPU memory (HBM) temperature.",
+            lambda g: g.memory_temperature_celsius,
+        ),
+        _thresholds(live),
+        _per_gpu(live, "gpu_power_watts", "Power draw.", lambda g: g.power_watts),
+        _per_gpu(
+            live,
+            "gpu_power_limit_watts",
+            "Enforced power limit.",
+            lambda g: static(g, "power_limit_watts"),
+        ),
+        _energy(live),
+        _per_gpu(
+            live,
+            "gpu_fan_speed_ratio",
+            "Fan speed, fraction of maximum.",
+            lambda g: g.fan_speed_ratio,
+        ),
+        _clocks(live),
+        _per_gpu(
+            live,
+            "gpu_performance_state",
+            "Performance state, 0 (maximum) to 15 (minimum).",
+            lambda g: g.performance_state,
+        ),
+        _clock_events(live),
+        _ecc(live),
+        _per_gpu(
+            live,
+            "gpu_processes",
+            "Processes NVML lists on the GPU (compute and graphics).",
+            lambda g: len({p.pid for p in g.processes}) if g.processes is not None else None,
+        ),
+        _process_memory(live),
+    ]
+    return families
+
+
+def _thresholds(gpus: list[Gpu]) -> GaugeMetricFamily:
+    family = _gauge(
+        "gpu_temperature_threshold_celsius",
+        "The GPU's own temperature thresholds (slowdown, shutdown, gpu_max, memory_max).",
+        [*GPU_LABELS, "threshold"],
+    )
+    for gpu in gpus:
+        if gpu.info is not None:
+            for name, value in sorted(gpu.info.temperature_thresholds.items()):
+                family.add_metric([str(gpu.index), gpu.uuid, name], value)
+    return family
+
+
+def _energy(gpus: list[Gpu]) -> CounterMetricFamily:
+    family = CounterMetricFamily(
+        "gpu_energy_joules", "Energy consumed since the driver was loaded.", labels=GPU_LABELS
+    )
+    for gpu in gpus:
+        if gpu.energy_joules is not None:
+            family.add_metric([str(gpu.index), gpu.uuid], gpu.energy_joules)
+    return family
+
+
+def _clocks(gpus: list[Gpu]) -> GaugeMetricFamily:
+    family = _gauge("gpu_clock_hz", "Current clock frequency.", [*GPU_LABELS, "clock"])
+    for gpu in gpus:
+        for name, value in gpu.clocks_hz.items():
+            family.add_metric([str(gpu.index), gpu.uuid, name], value)
+    return family
+
+
+def _clock_events(gpus: list[Gpu]) -> GaugeMetricFamily:
+    family = _gauge(
+        "gpu_clock_event_active",
+        "1 while this clock-event (throttle) reason holds clocks down, else 0.",
+        [*GPU_LABELS, "reason"],
+    )
+    for gpu in gpus:
+        if gpu.clock_event_reasons is None:
+            continue
+        for name, bit in CLOCK_EVENT_REASONS:
+            active = 1.0 if gpu.clock_event_reasons & bit else 0.0
+            family.add_metric([str(gpu.index), gpu.uuid, name], active)
+    return family
+
+
+def _ecc(gpus: list[Gpu]) -> CounterMetricFamily:
+    family = CounterMetricFamily(
+        "gpu_ecc_errors",
+        "ECC errors since the driver was loaded (volatile counters), where ECC is on.",
+        labels=[*GPU_LABELS, "type"],
+    )
+    for gpu in gpus:
+        for kind, count in sorted(gpu.ecc_errors.items()):
+            family.add_metric([str(gpu.index), gpu.uuid, kind], count)
+    return family
+
+
+def _process_memory(gpus: list[Gpu]) -> GaugeMetricFamily:
+    family = _gauge(
+        "gpu_process_memory_used_bytes",
+        "GPU memory used by one process on one GPU.",
+        PROCESS_LABELS,
+    )
+    for gpu in gpus:
+        for proc in gpu.processes or ():
+            if proc.used_memory_bytes is not None:
+                family.add_metric(
+                    [str(gpu.index), gpu.uuid, str(proc.pid), proc.user, proc.name, proc.type],
+                    proc.used_memory_bytes,
+                )
+    return family
+
+
+def self_families(snapshot: Snapshot, stats: SelfStats) -> list[Metric]:
+    """The agent's own ``gpu_exporter_*`` families as of one Snapshot."""
+    build = _gauge(
+        "gpu_exporter_build_info",
+        "Version of gpu-exporter; always 1.",
+        ["version", "python_version"],
+    )
+    build.add_metric([__version__, ".".join(map(str, sys.version_info[:3]))], 1.0)
+    nvml_up = _gauge("gpu_exporter_nvml_up", "1 while NVML answers, 0 when it is unavailable.", [])
+    nvml_up.add_metric([], 1.0 if snapshot.nvml_up else 0.0)
+    duration = _gauge("gpu_exporter_sample_duration_seconds", "How long the last sample took.", [])
+    duration.add_metric([], snapshot.duration_seconds)
+    last = _gauge(
+        "gpu_exporter_last_sample_timestamp_seconds",
+        "When the last sample started, seconds since the epoch.",
+        [],
+    )
+    last.add_metric([], snapshot.timestamp)
+    interval = _gauge(
+        "gpu_exporter_sample_interval_seconds", "Configured time between samples.", []
+    )
+    interval.add_metric([], stats.interval_seconds)
+    calls = _gauge("gpu_exporter_sample_nvml_calls", "NVML calls the last sample made.", [])
+    calls.add_metric([], snapshot.nvml_calls)
+    samples = CounterMetricFamily("gpu_exporter_samples", "Samples taken.", labels=[])
+    samples.add_metric([], stats.samples_total)
+    deadline = CounterMetricFamily(
+        "gpu_exporter_sample_deadline_exceeded",
+        "Samples that took longer than the sample deadline.",
+        labels=[],
+    )
+    deadline.add_metric([], stats.deadline_exceeded_total)
+    errors = CounterMetricFamily(
+        "gpu_exporter_sample_errors",
+        "Errors met while sampling, by source (init, gpu, field, procfs) and error name.",
+        labels=["source", "error"],
+    )
+    for (source, error), count in sorted(stats.errors_total.items()):
+        errors.add_metric([source, error], count)
+    return [build, nvml_up, duration, last, interval, calls, samples, deadline, errors]
+
+
+def render(snapshot: Snapshot, stats: SelfStats) -> bytes:
+    """The exposition text of one Snapshot and the agent's counters."""
+    return generate_latest(_Families([*gpu_families(snapshot), *self_families(snapshot, stats)]))
+
+
+def render_liveness(age_seconds: float | None, stale: bool) -> bytes:
+    """The lines that depend on when the scrape happens (the Snapshot's age)."""
+    lines = [
+        "# HELP gpu_exporter_snapshot_age_seconds Seconds since the served Snapshot was taken.",
+        "# TYPE gpu_exporter_snapshot_age_seconds gauge",
+    ]
+    if age_seconds is not None:
+        lines.append(f"gpu_exporter_snapshot_age_seconds {age_seconds:.6f}")
+    lines += [
+        "# HELP gpu_exporter_snapshot_stale 1 when the served Snapshot is older than allowed.",
+        "# TYPE gpu_exporter_snapshot_stale gauge",
+        f"gpu_exporter_snapshot_stale {1 if stale else 0}",
+    ]
+    return ("\n".join(lines) + "\n").encode()

@@ -1,0 +1,415 @@
+"""The only module that talks to NVML (through pynvml).
+
+Every call goes through :meth:`Nvml.call`, which serialises calls (concurrent NVML calls have
+crashed drivers) and counts them. Functions the driver lacks and fields a GPU does not support are
+remembered, so they are not retried every sample; versioned calls fall back to older versions.
+The simulator (``exporter.simulate``) replaces pynvml's functions underneath this module, so this
+is the code that runs on real GPUs and in every test alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import pynvml
+
+from exporter.snapshot import Gpu, GpuInfo, HostInfo, SampleError, frozen_map
+
+log = logging.getLogger(__name__)
+
+#: The GPU does not have this field (or we may not read it): remembered per GPU and field.
+_UNSUPPORTED = frozenset({"NotSupported", "NoPermission"})
+#: The driver lacks this function or struct version: remembered per call, the next candidate runs.
+_MISSING = frozenset({"FunctionNotFound", "ArgumentVersionMismatch", "NVMLLibraryMismatchError"})
+#: The GPU as a whole failed this sample.
+_GPU_FATAL = frozenset({"GpuIsLost", "ResetRequired", "Unknown", "GpuNotFound", "IrqIssue"})
+#: NVML as a whole is gone: shut down and initialise again.
+_NVML_FATAL = frozenset(
+    {"Uninitialized", "DriverNotLoaded", "LibRmVersionMismatch", "LibraryNotFound"}
+)
+
+_THRESHOLDS = (
+    ("shutdown", "NVML_TEMPERATURE_THRESHOLD_SHUTDOWN", 0),
+    ("slowdown", "NVML_TEMPERATURE_THRESHOLD_SLOWDOWN", 1),
+    ("memory_max", "NVML_TEMPERATURE_THRESHOLD_MEM_MAX", 2),
+    ("gpu_max", "NVML_TEMPERATURE_THRESHOLD_GPU_MAX", 3),
+)
+_CLOCKS = (("graphics", 0), ("sm", 1), ("memory", 2), ("video", 3))
+_PSTATE_UNKNOWN = 32
+_NVML_FI_DEV_MEMORY_TEMP = 82
+_VALUE_FIELDS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+
+
+def error_name(exc: BaseException) -> str:
+    """``GpuIsLost`` for ``NVMLError_GpuIsLost``; the class name for other exceptions."""
+    name = type(exc).__name__
+    if name.startswith("NVMLError_"):
+        return name[len("NVMLError_") :]
+    if isinstance(exc, pynvml.NVMLError):
+        return f"Error{getattr(exc, 'value', '')}"
+    return name
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line description of an NVML error, for logs and messages."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{error_name(exc)}: {text}" if text and text != error_name(exc) else error_name(exc)
+
+
+class NvmlUnavailable(Exception):
+    """NVML as a whole could not be initialised or stopped answering."""
+
+    def __init__(self, error: str, message: str) -> None:
+        super().__init__(message)
+        self.error = error
+
+
+class GpuFailed(Exception):
+    """One GPU failed (lost, needs a reset, unknown error); the other GPUs are unaffected."""
+
+    def __init__(self, error: str, message: str) -> None:
+        super().__init__(message)
+        self.error = error
+
+
+class Call(NamedTuple):
+    """One way to read a field: a pynvml function, its arguments, and what to make of the result."""
+
+    function: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] | None = None
+    convert: Callable[[Any], Any] | None = None
+    key: str = ""  # what "the driver lacks this" is remembered under; defaults to function
+
+
+class NvmlProcess(NamedTuple):
+    """A process as NVML lists it on one GPU."""
+
+    pid: int
+    used_memory_bytes: int | None
+    type: str
+
+
+@dataclass
+class GpuReading:
+    """One GPU's dynamic fields from one sample, before procfs enrichment."""
+
+    gpu: Gpu
+    processes: list[NvmlProcess] | None
+    errors: list[SampleError] = field(default_factory=list)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace").rstrip("\x00")
+    return str(value)
+
+
+def _cuda_version(value: int) -> str:
+    return f"{value // 1000}.{(value % 1000) // 10}"
+
+
+def _field_value(values: Any) -> float:
+    """The one value of an ``nvmlDeviceGetFieldValues`` answer, raising its own error code."""
+    item = values[0]
+    if item.nvmlReturn != 0:
+        raise pynvml.NVMLError(item.nvmlReturn)
+    return getattr(item.value, _VALUE_FIELDS[item.valueType])
+
+
+def _const(name: str, fallback: int) -> int:
+    return getattr(pynvml, name, fallback)
+
+
+class Nvml:
+    """Serialised, counted access to NVML with memory of what the driver and GPUs lack."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.calls = 0
+        self.initialized = False
+        self._missing: set[str] = set()
+        self._unsupported: set[tuple[int, str]] = set()
+        self._handles: dict[int, Any] = {}
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def call(self, function: str, *args: Any, **kwargs: Any) -> Any:
+        """Call one pynvml function under the NVML lock."""
+        fn = getattr(pynvml, function, None)
+        if fn is None:  # an older nvidia-ml-py that does not know this function
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        with self._lock:
+            self.calls += 1
+            return fn(*args, **kwargs)
+
+    def _read(self, index: int, name: str, errors: list[SampleError], *calls: Call) -> Any:
+        """The first of ``calls`` the driver has, converted; None when absent or failed."""
+        if (index, name) in self._unsupported:
+            return None
+        for candidate in calls:
+            key = candidate.key or candidate.function
+            if key in self._missing:
+                continue
+            try:
+                value = self.call(candidate.function, *candidate.args, **(candidate.kwargs or {}))
+                return candidate.convert(value) if candidate.convert else value
+            except Exception as exc:
+                error = error_name(exc)
+                if error in _MISSING:
+                    self._missing.add(key)
+                    log.debug("driver lacks %s; trying an older call", key)
+                    continue
+                if error in _UNSUPPORTED:
+                    self._unsupported.add((index, name))
+                    log.debug("GPU %d: %s not supported (%s)", index, name, error)
+                    return None
+                if error in _NVML_FATAL:
+                    raise NvmlUnavailable(error, f"{candidate.function}: {describe(exc)}") from exc
+                if error in _GPU_FATAL:
+                    raise GpuFailed(error, f"{candidate.function}: {describe(exc)}") from exc
+                errors.append(SampleError("field", error, index, name, describe(exc)))
+                return None
+        self._unsupported.add((index, name))  # no call for it exists in this driver
+        return None
+
+    # -- library ----------------------------------------------------------------------------
+
+    def init(self) -> HostInfo:
+        """Initialise NVML and read the host's driver facts; raises NvmlUnavailable."""
+        self._missing.clear()
+        self._unsupported.clear()
+        self._handles.clear()
+        try:
+            self.call("nvmlInit")
+        except Exception as exc:
+            raise NvmlUnavailable(error_name(exc), describe(exc)) from exc
+        self.initialized = True
+        errors: list[SampleError] = []
+        host = -1  # host-wide facts are remembered as unsupported under this pseudo index
+        cuda = self._read(
+            host,
+            "cuda_version",
+            errors,
+            Call("nvmlSystemGetCudaDriverVersion_v2", convert=_cuda_version),
+            Call("nvmlSystemGetCudaDriverVersion", convert=_cuda_version),
+        )
+        return HostInfo(
+            hostname=socket.gethostname(),
+            driver_version=self._read(
+                host, "driver_version", errors, Call("nvmlSystemGetDriverVersion", convert=_text)
+            )
+            or "",
+            cuda_version=cuda or "",
+            nvml_version=self._read(
+                host, "nvml_version", errors, Call("nvmlSystemGetNVMLVersion", convert=_text)
+            )
+            or "",
+        )
+
+    def shutdown(self, timeout: float = 1.0) -> bool:
+        """Shut NVML down cleanly; False when a hung call holds the lock past ``timeout``."""
+        if not self.initialized:
+            return True
+        self.initialized = False
+        self._handles.clear()
+        if not self._lock.acquire(timeout=timeout):
+            log.warning("an NVML call is still running; not calling nvmlShutdown")
+            return False
+        try:
+            fn = getattr(pynvml, "nvmlShutdown", None)
+            if fn is not None:
+                self.calls += 1
+                fn()
+        except Exception as exc:
+            log.debug("nvmlShutdown: %s", describe(exc))
+        finally:
+            self._lock.release()
+        return True
+
+    def device_count(self) -> int:
+        """Number of GPUs NVML sees; raises NvmlUnavailable when NVML itself fails."""
+        try:
+            return int(self.call("nvmlDeviceGetCount"))
+        except Exception as exc:
+            raise NvmlUnavailable(error_name(exc), f"nvmlDeviceGetCount: {describe(exc)}") from exc
+
+    # -- one GPU ----------------------------------------------------------------------------
+
+    def _required(self, function: str, *args: Any) -> Any:
+        try:
+            return self.call(function, *args)
+        except Exception as exc:
+            error = error_name(exc)
+            if error in _NVML_FATAL:
+                raise NvmlUnavailable(error, f"{function}: {describe(exc)}") from exc
+            raise GpuFailed(error, f"{function}: {describe(exc)}") from exc
+
+    def read_info(self, index: int) -> GpuInfo:
+        """Static facts of GPU ``index`` (read once per initialisation); raises GpuFailed."""
+        self._unsupported = {key for key in self._unsupported if key[0] != index}
+        handle = self._required("nvmlDeviceGetHandleByIndex", index)
+        self._handles[index] = handle
+        errors: list[SampleError] = []
+        uuid = _text(self._required("nvmlDeviceGetUUID", handle))
+        thresholds = {}
+        for name, const, fallback in _THRESHOLDS:
+            value = self._read(
+                index,
+                f"threshold_{name}",
+                errors,
+                Call("nvmlDeviceGetTemperatureThreshold", (handle, _const(const, fallback))),
+            )
+            if value is not None:
+                thresholds[name] = float(value)
+        memory = self._read_memory(index, handle, errors)
+        ecc = self._read(index, "ecc_mode", errors, Call("nvmlDeviceGetEccMode", (handle,)))
+        power_limit = self._read(
+            index, "power_limit", errors, Call("nvmlDeviceGetEnforcedPowerLimit", (handle,))
+        )
+        pci = self._read(index, "pci_info", errors, Call("nvmlDeviceGetPciInfo", (handle,)))
+        minor = self._read(
+            index, "minor_number", errors, Call("nvmlDeviceGetMinorNumber", (handle,))
+        )
+        serial = self._read(
+            index, "serial", errors, Call("nvmlDeviceGetSerial", (handle,), convert=_text)
+        )
+        name = _text(self._required("nvmlDeviceGetName", handle))
+        for error in errors:
+            log.info("GPU %d: reading %s failed: %s", index, error.field, error.message)
+        return GpuInfo(
+            index=index,
+            uuid=uuid,
+            name=name,
+            pci_bus_id=_text(pci.busId) if pci is not None else "",
+            serial=serial or "",
+            minor_number=int(minor) if minor is not None else None,
+            memory_total_bytes=int(memory.total) if memory is not None else None,
+            temperature_thresholds=frozen_map(thresholds),
+            power_limit_watts=power_limit / 1000.0 if power_limit is not None else None,
+            ecc_enabled=bool(ecc[0]) if ecc is not None else None,
+        )
+
+    def _read_memory(self, index: int, handle: Any, errors: list[SampleError]) -> Any:
+        calls = [Call("nvmlDeviceGetMemoryInfo", (handle,))]
+        version = getattr(pynvml, "nvmlMemory_v2", None)
+        if version is not None:  # v2 does not count reserved memory as used (R510+)
+            calls.insert(
+                0,
+                Call(
+                    "nvmlDeviceGetMemoryInfo",
+                    (handle,),
+                    {"version": version},
+                    key="nvmlDeviceGetMemoryInfo_v2",
+                ),
+            )
+        return self._read(index, "memory", errors, *calls)
+
+    def read_gpu(self, info: GpuInfo) -> GpuReading:
+        """Dynamic fields and NVML's process list of one GPU; raises GpuFailed/NvmlUnavailable."""
+        index = info.index
+        handle = self._handles.get(index)
+        if handle is None:
+            raise GpuFailed("NoHandle", f"GPU {index} has no handle; static facts not read")
+        errors: list[SampleError] = []
+
+        def read(name: str, *calls: Call) -> Any:
+            return self._read(index, name, errors, *calls)
+
+        memory = self._read_memory(index, handle, errors)
+        util = read("utilization", Call("nvmlDeviceGetUtilizationRates", (handle,)))
+        sensor = _const("NVML_TEMPERATURE_GPU", 0)
+        temperature = read(
+            "temperature",
+            Call("nvmlDeviceGetTemperatureV", (handle, sensor)),
+            Call("nvmlDeviceGetTemperature", (handle, sensor)),
+        )
+        memory_temperature = read(
+            "memory_temperature",
+            Call(
+                "nvmlDeviceGetFieldValues",
+                (handle, [_const("NVML_FI_DEV_MEMORY_TEMP", _NVML_FI_DEV_MEMORY_TEMP)]),
+                convert=_field_value,
+            ),
+        )
+        power = read("power", Call("nvmlDeviceGetPowerUsage", (handle,)))
+        energy = read("energy", Call("nvmlDeviceGetTotalEnergyConsumption", (handle,)))
+        fan = read("fan_speed", Call("nvmlDeviceGetFanSpeed", (handle,)))
+        clocks = {}
+        for name, clock_type in _CLOCKS:
+            value = read(f"clock_{name}", Call("nvmlDeviceGetClockInfo", (handle, clock_type)))
+            if value is not None:
+                clocks[name] = float(value) * 1e6
+        pstate = read("performance_state", Call("nvmlDeviceGetPerformanceState", (handle,)))
+        reasons = read(
+            "clock_event_reasons",
+            Call("nvmlDeviceGetCurrentClocksEventReasons", (handle,)),
+            Call("nvmlDeviceGetCurrentClocksThrottleReasons", (handle,)),
+        )
+        ecc = {}
+        if info.ecc_enabled:
+            volatile = _const("NVML_VOLATILE_ECC", 0)
+            for name, error_type in (("corrected", 0), ("uncorrected", 1)):
+                value = read(
+                    f"ecc_{name}",
+                    Call("nvmlDeviceGetTotalEccErrors", (handle, error_type, volatile)),
+                )
+                if value is not None:
+                    ecc[name] = int(value)
+        processes = self._read_processes(index, handle, errors)
+        gpu = Gpu(
+            index=index,
+            uuid=info.uuid,
+            up=True,
+            info=info,
+            memory_used_bytes=int(memory.used) if memory is not None else None,
+            memory_free_bytes=int(memory.free) if memory is not None else None,
+            memory_reserved_bytes=int(memory.reserved) if hasattr(memory, "reserved") else None,
+            utilization_ratio=util.gpu / 100.0 if util is not None else None,
+            memory_utilization_ratio=util.memory / 100.0 if util is not None else None,
+            temperature_celsius=float(temperature) if temperature is not None else None,
+            memory_temperature_celsius=(
+                float(memory_temperature) if memory_temperature is not None else None
+            ),
+            power_watts=power / 1000.0 if power is not None else None,
+            energy_joules=energy / 1000.0 if energy is not None else None,
+            fan_speed_ratio=fan / 100.0 if fan is not None else None,
+            clocks_hz=frozen_map(clocks),
+            performance_state=(
+                int(pstate) if pstate is not None and pstate != _PSTATE_UNKNOWN else None
+            ),
+            clock_event_reasons=int(reasons) if reasons is not None else None,
+            ecc_errors=frozen_map(ecc),
+        )
+        return GpuReading(gpu, processes, errors)
+
+    def _read_processes(
+        self, index: int, handle: Any, errors: list[SampleError]
+    ) -> list[NvmlProcess] | None:
+        found: list[NvmlProcess] = []
+        known = False
+        for kind, base in (
+            ("compute", "nvmlDeviceGetComputeRunningProcesses"),
+            ("graphics", "nvmlDeviceGetGraphicsRunningProcesses"),
+        ):
+            listed: Sequence[Any] | None = self._read(
+                index,
+                f"{kind}_processes",
+                errors,
+                Call(f"{base}_v3", (handle,)),
+                Call(f"{base}_v2", (handle,)),
+            )
+            if listed is None:
+                continue
+            known = True
+            for proc in listed:
+                used = getattr(proc, "usedGpuMemory", None)
+                found.append(
+                    NvmlProcess(int(proc.pid), int(used) if used is not None else None, kind)
+                )
+        return found if known else None

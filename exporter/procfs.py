@@ -1,0 +1,151 @@
+"""Read what the kernel knows about a process from a procfs root (``/proc``, or ``/host/proc``).
+
+Processes vanish between any two reads: every read tolerates that, and a process whose
+``stat`` cannot be read is reported as not visible rather than raising.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+from dataclasses import dataclass
+
+#: A command line longer than this is cut (it may be megabytes; it is for display only).
+MAX_CMDLINE_BYTES = 4096
+_CONTAINER_ID = re.compile(r"(?<![0-9a-f])([0-9a-f]{64})(?![0-9a-f])")
+_POD_UID = re.compile(
+    r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})"
+)
+_COMM_MAX = 15  # the kernel truncates comm to 15 characters
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """What procfs says about one live process."""
+
+    pid: int
+    name: str
+    state: str
+    ppid: int
+    pgid: int
+    sid: int
+    start_ticks: int
+    start_time: float | None
+    uid: int | None
+    user: str
+    cmdline: tuple[str, ...]
+    container_id: str
+    pod_uid: str
+
+
+def _decode(raw: bytes) -> str:
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def parse_cgroup(text: str) -> tuple[str, str]:
+    """(container id, pod uid) from the contents of ``/proc/PID/cgroup``; empty when absent."""
+    container, pod = "", ""
+    for line in text.splitlines():
+        path = line.split(":", 2)[-1]
+        if not container and (matches := _CONTAINER_ID.findall(path)):
+            container = matches[-1]
+        if not pod and (match := _POD_UID.search(path)):
+            pod = match.group(1).replace("_", "-")
+    return container, pod
+
+
+class ProcFs:
+    """Process facts from one procfs root, with the user-name lookups cached."""
+
+    def __init__(self, root: str = "/proc") -> None:
+        self.root = root
+        self._ticks_per_second = os.sysconf("SC_CLK_TCK")
+        self._boot_time: float | None = None
+        self._users: dict[int, str] = {}
+
+    def _path(self, pid: int, name: str) -> str:
+        return f"{self.root}/{pid}/{name}"
+
+    def _read(self, pid: int, name: str) -> bytes | None:
+        try:
+            with open(self._path(pid, name), "rb") as handle:
+                return handle.read(MAX_CMDLINE_BYTES if name == "cmdline" else -1)
+        except OSError:  # vanished, permission denied, not a process
+            return None
+
+    def boot_time(self) -> float | None:
+        """The host's boot time (``btime`` in ``<root>/stat``), seconds since the epoch."""
+        if self._boot_time is None:
+            try:
+                with open(f"{self.root}/stat", "rb") as handle:
+                    for line in handle:
+                        if line.startswith(b"btime "):
+                            self._boot_time = float(line.split()[1])
+                            break
+            except (OSError, ValueError, IndexError):
+                return None
+        return self._boot_time
+
+    def user_name(self, uid: int) -> str:
+        """The user name of ``uid``, or the number when this host's passwd does not know it."""
+        name = self._users.get(uid)
+        if name is None:
+            try:
+                name = pwd.getpwuid(uid).pw_name
+            except (KeyError, OverflowError):
+                name = str(uid)
+            if len(self._users) > 4096:
+                self._users.clear()
+            self._users[uid] = name
+        return name
+
+    def process(self, pid: int) -> ProcessInfo | None:
+        """Facts about ``pid``, or None when it is not visible under this root."""
+        if pid <= 0:
+            return None
+        stat = self._read(pid, "stat")
+        if stat is None:
+            return None
+        try:
+            open_paren, close_paren = stat.index(b"("), stat.rindex(b")")
+            comm = _decode(stat[open_paren + 1 : close_paren])
+            rest = stat[close_paren + 2 :].split()
+            state = rest[0].decode("ascii", "replace")
+            ppid, pgid, sid = int(rest[1]), int(rest[2]), int(rest[3])
+            start_ticks = int(rest[19])
+        except (ValueError, IndexError):
+            return None
+        try:
+            uid: int | None = os.stat(f"{self.root}/{pid}").st_uid
+        except OSError:
+            uid = None
+        raw_cmdline = self._read(pid, "cmdline") or b""
+        cmdline = tuple(_decode(part) for part in raw_cmdline.split(b"\0") if part)
+        cgroup = self._read(pid, "cgroup")
+        container, pod = parse_cgroup(_decode(cgroup)) if cgroup else ("", "")
+        boot = self.boot_time()
+        return ProcessInfo(
+            pid=pid,
+            name=_process_name(comm, cmdline),
+            state=state,
+            ppid=ppid,
+            pgid=pgid,
+            sid=sid,
+            start_ticks=start_ticks,
+            start_time=boot + start_ticks / self._ticks_per_second if boot is not None else None,
+            uid=uid,
+            user=self.user_name(uid) if uid is not None else "",
+            cmdline=cmdline,
+            container_id=container,
+            pod_uid=pod,
+        )
+
+
+def _process_name(comm: str, cmdline: tuple[str, ...]) -> str:
+    """comm, or the executable's full name when the kernel cut comm to 15 characters."""
+    if len(comm) >= _COMM_MAX and cmdline:
+        exe = os.path.basename(cmdline[0])
+        if exe.startswith(comm):
+            return exe
+    return comm

@@ -1,0 +1,720 @@
+"""Simulated GPUs: a scenario file becomes fake pynvml functions.
+
+:class:`SimulatedDriver` replaces the functions of the ``pynvml`` module itself, raising pynvml's
+own error classes, so the project's NVML module (``exporter.nvml``) runs unchanged on top of it.
+Every pynvml function the simulation does not implement raises ``NVMLError_FunctionNotFound``,
+like a driver that lacks it. The scenario format is documented in ``docs/simulate.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import pynvml
+
+from exporter.snapshot import CLOCK_EVENT_REASONS
+from exporter.units import parse_duration, parse_size
+from exporter.yamlconf import Section, load_document, parse_document
+
+#: Fields a scenario can mark unsupported or inject errors into, and the functions behind them.
+FIELD_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "handle": ("nvmlDeviceGetHandleByIndex",),
+    "uuid": ("nvmlDeviceGetUUID",),
+    "name": ("nvmlDeviceGetName",),
+    "pci_info": ("nvmlDeviceGetPciInfo", "nvmlDeviceGetPciInfo_v3"),
+    "serial": ("nvmlDeviceGetSerial",),
+    "minor_number": ("nvmlDeviceGetMinorNumber",),
+    "thresholds": ("nvmlDeviceGetTemperatureThreshold",),
+    "power_limit": ("nvmlDeviceGetEnforcedPowerLimit",),
+    "memory": ("nvmlDeviceGetMemoryInfo",),
+    "utilization": ("nvmlDeviceGetUtilizationRates",),
+    "temperature": ("nvmlDeviceGetTemperature", "nvmlDeviceGetTemperatureV"),
+    "memory_temperature": ("nvmlDeviceGetFieldValues",),
+    "power": ("nvmlDeviceGetPowerUsage",),
+    "energy": ("nvmlDeviceGetTotalEnergyConsumption",),
+    "fan_speed": ("nvmlDeviceGetFanSpeed",),
+    "clocks": ("nvmlDeviceGetClockInfo",),
+    "performance_state": ("nvmlDeviceGetPerformanceState",),
+    "clock_event_reasons": (
+        "nvmlDeviceGetCurrentClocksEventReasons",
+        "nvmlDeviceGetCurrentClocksThrottleReasons",
+    ),
+    "ecc": ("nvmlDeviceGetEccMode", "nvmlDeviceGetTotalEccErrors"),
+    "processes": tuple(
+        f"nvmlDevice{kind}RunningProcesses{version}"
+        for kind in ("GetCompute", "GetGraphics")
+        for version in ("", "_v2", "_v3")
+    ),
+}
+_FIELD_OF = {fn: name for name, fns in FIELD_FUNCTIONS.items() for fn in fns}
+DRIVER_FIELDS = ("init", "count")
+_REASON_BITS = dict(CLOCK_EVENT_REASONS)
+_THRESHOLD_CODES = {"shutdown": 0, "slowdown": 1, "memory_max": 2, "gpu_max": 3}
+_CLOCK_NAMES = ("graphics", "sm", "memory", "video")
+_DEFAULT_THRESHOLDS = {"shutdown": 92.0, "slowdown": 89.0, "gpu_max": 87.0, "memory_max": 95.0}
+_DEFAULT_CLOCKS = {"graphics": 1755.0, "sm": 1755.0, "memory": 2619.0, "video": 1545.0}
+
+
+# -- values that change over time ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Value:
+    """A number over scenario time: constant, a ramp (``from``/``to``/``over``) or a wave."""
+
+    base: float
+    to: float | None = None
+    start: float = 0.0
+    over: float = 0.0
+    amplitude: float = 0.0
+    period: float = 0.0
+
+    def at(self, t: float) -> float:
+        value = self.base
+        if self.to is not None:
+            progress = 1.0 if self.over <= 0 else min(1.0, max(0.0, (t - self.start) / self.over))
+            value = self.base + (self.to - self.base) * progress if t >= self.start else self.base
+        if self.amplitude and self.period > 0:
+            value += self.amplitude * math.sin(2 * math.pi * t / self.period)
+        return value
+
+
+def _value(number: Callable[[Any], float]) -> Callable[[Any], Value]:
+    def parse(raw: Any) -> Value:
+        if not isinstance(raw, dict):
+            return Value(number(raw))
+        unknown = set(raw) - {"from", "to", "start", "over", "base", "amplitude", "period"}
+        if unknown:
+            raise ValueError(
+                f"unknown key {sorted(unknown)[0]!r} in a changing value "
+                "(use from/to/start/over for a ramp, base/amplitude/period for a wave)"
+            )
+        if "from" in raw or "to" in raw:
+            if "from" not in raw or "to" not in raw:
+                raise ValueError("a ramp needs both 'from' and 'to'")
+            base = number(raw["from"])
+            to: float | None = number(raw["to"])
+        else:
+            base, to = number(raw.get("base", 0)), None
+        return Value(
+            base=base,
+            to=to,
+            start=parse_duration(raw.get("start", 0)),
+            over=parse_duration(raw.get("over", 0)),
+            amplitude=number(raw.get("amplitude", 0)) if "amplitude" in raw else 0.0,
+            period=parse_duration(raw.get("period", 0)),
+        )
+
+    return parse
+
+
+def _number(raw: Any) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        raise ValueError(f"expected a number, got {raw!r}")
+    if not math.isfinite(raw):
+        raise ValueError(f"expected a finite number, got {raw!r}")
+    return float(raw)
+
+
+def _ratio(raw: Any) -> float:
+    value = _number(raw)
+    if not 0 <= value <= 1:
+        raise ValueError(f"expected a ratio from 0 to 1, got {raw!r}")
+    return value
+
+
+_SIZE_VALUE = _value(lambda raw: float(parse_size(raw)))
+_NUMBER_VALUE = _value(_number)
+_RATIO_VALUE = _value(_ratio)
+
+
+# -- the scenario ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Window:
+    """A span of scenario time, ``from`` inclusive to ``until`` exclusive (None: forever)."""
+
+    start: float = 0.0
+    end: float | None = None
+
+    def holds(self, t: float) -> bool:
+        return t >= self.start and (self.end is None or t < self.end)
+
+
+@dataclass(frozen=True)
+class InjectedError:
+    """Calls behind ``field`` raise ``error`` (or first sleep ``hang`` seconds) during ``window``."""
+
+    field: str
+    error: str
+    window: Window
+    hang: float = 0.0
+
+
+@dataclass(frozen=True)
+class SimProcess:
+    pid: int | str | None  # a number, "self", "parent", or None with ``spawn``
+    spawn: tuple[str, ...]
+    memory: Value
+    type: str
+    window: Window
+
+
+@dataclass(frozen=True)
+class SimGpu:
+    name: str
+    uuid: str
+    pci_bus_id: str
+    serial: str
+    minor_number: int
+    memory_total: int
+    memory_reserved: int
+    memory_used: Value
+    utilization: Value
+    memory_utilization: Value
+    temperature: Value
+    memory_temperature: Value
+    thresholds: dict[str, float | None]  # None: the GPU has no such threshold
+    power: Value
+    power_limit: float
+    fan_speed: Value
+    clocks: dict[str, Value]
+    performance_state: int
+    clock_event_reasons: int
+    ecc_enabled: bool
+    ecc_corrected: Value
+    ecc_uncorrected: Value
+    unsupported: frozenset[str]
+    processes: tuple[SimProcess, ...]
+    errors: tuple[InjectedError, ...]
+    present: Window
+
+
+@dataclass(frozen=True)
+class Scenario:
+    driver_version: str
+    cuda_version: int
+    nvml_version: str
+    missing_functions: frozenset[str]
+    call_latency: float
+    errors: tuple[InjectedError, ...]
+    gpus: tuple[SimGpu, ...]
+
+
+def _window(section: Section) -> Window:
+    start = section.get("from", parse_duration, 0.0)
+    end = section.get("until", parse_duration, None)
+    if end is not None and end <= start:
+        raise section.error("until", f"must be later than from ({start:g}s)")
+    return Window(start, end)
+
+
+def _error_name(raw: Any) -> str:
+    name = str(raw)
+    if not hasattr(pynvml, f"NVMLError_{name}"):
+        known = sorted(n[len("NVMLError_") :] for n in dir(pynvml) if n.startswith("NVMLError_"))
+        raise ValueError(f"unknown NVML error {name!r}; one of: {', '.join(known)}")
+    return name
+
+
+def _errors(section: Section, allowed: tuple[str, ...]) -> tuple[InjectedError, ...]:
+    out = []
+    for item in section.sections("errors"):
+
+        def field_name(raw: Any) -> str:
+            if raw not in allowed:
+                raise ValueError(f"unknown field {raw!r}; one of: {', '.join(allowed)}")
+            return str(raw)
+
+        out.append(
+            InjectedError(
+                field=item.get("field", field_name, "*"),
+                error=item.get("error", _error_name, "Unknown"),
+                window=_window(item),
+                hang=item.get("hang", parse_duration, 0.0),
+            )
+        )
+        item.done()
+    return tuple(out)
+
+
+def _process(section: Section) -> SimProcess:
+    def pid(raw: Any) -> int | str:
+        if raw in ("self", "parent"):
+            return str(raw)
+        if isinstance(raw, bool) or not isinstance(raw, int) or raw <= 0:
+            raise ValueError(f"expected a positive PID, 'self' or 'parent', got {raw!r}")
+        return raw
+
+    def argv(raw: Any) -> tuple[str, ...]:
+        if not isinstance(raw, list) or not raw or not all(isinstance(a, str) for a in raw):
+            raise ValueError("expected a non-empty list of strings (program and arguments)")
+        return tuple(raw)
+
+    def kind(raw: Any) -> str:
+        if raw not in ("compute", "graphics"):
+            raise ValueError(f"expected compute or graphics, got {raw!r}")
+        return str(raw)
+
+    process = SimProcess(
+        pid=section.get("pid", pid, None),
+        spawn=section.get("spawn", argv, ()),
+        memory=section.get("memory", _SIZE_VALUE, Value(0.0)),
+        type=section.get("type", kind, "compute"),
+        window=_window(section),
+    )
+    if (process.pid is None) == (not process.spawn):
+        raise section.error(None, "give exactly one of pid and spawn")
+    section.done()
+    return process
+
+
+def _gpu(section: Section, index: int) -> SimGpu:
+    name = section.get("name", str, "NVIDIA H100 80GB HBM3")
+    digest = hashlib.sha1(f"{index}:{name}".encode()).hexdigest()
+    default_uuid = (
+        f"GPU-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
+    )
+
+    def unsupported(raw: Any) -> frozenset[str]:
+        if not isinstance(raw, list) or any(item not in FIELD_FUNCTIONS for item in raw):
+            raise ValueError(f"expected a list of fields from: {', '.join(FIELD_FUNCTIONS)}")
+        return frozenset(raw)
+
+    def reasons(raw: Any) -> int:
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        if not isinstance(raw, list) or any(item not in _REASON_BITS for item in raw):
+            raise ValueError(f"expected a bitmask or a list from: {', '.join(_REASON_BITS)}")
+        return sum(_REASON_BITS[item] for item in set(raw))
+
+    thresholds_section = section.section("thresholds")
+    thresholds = {
+        key: thresholds_section.get(key, lambda raw: None if raw is None else _number(raw), default)
+        for key, default in _DEFAULT_THRESHOLDS.items()
+    }
+    thresholds_section.done()
+    clocks_section = section.section("clocks_mhz")
+    clocks = {
+        key: clocks_section.get(key, _NUMBER_VALUE, Value(default))
+        for key, default in _DEFAULT_CLOCKS.items()
+    }
+    clocks_section.done()
+    ecc_section = section.section("ecc")
+    ecc_enabled = ecc_section.get("enabled", bool, True)
+    ecc_corrected = ecc_section.get("corrected", _NUMBER_VALUE, Value(0.0))
+    ecc_uncorrected = ecc_section.get("uncorrected", _NUMBER_VALUE, Value(0.0))
+    ecc_section.done()
+    present_section = section.section("present")
+    present = _window(present_section)
+    present_section.done()
+    gpu = SimGpu(
+        name=name,
+        uuid=section.get("uuid", str, default_uuid),
+        pci_bus_id=section.get("pci_bus_id", str, f"00000000:{0x17 + index * 0x10:02X}:00.0"),
+        serial=section.get("serial", str, f"1654{index:09d}"),
+        minor_number=section.get("minor_number", int, index),
+        memory_total=section.get("memory_total", parse_size, 80 * 1024**3),
+        memory_reserved=section.get("memory_reserved", parse_size, 512 * 1024**2),
+        memory_used=section.get("memory_used", _SIZE_VALUE, Value(0.0)),
+        utilization=section.get("utilization", _RATIO_VALUE, Value(0.0)),
+        memory_utilization=section.get("memory_utilization", _RATIO_VALUE, Value(0.0)),
+        temperature=section.get("temperature", _NUMBER_VALUE, Value(35.0)),
+        memory_temperature=section.get("memory_temperature", _NUMBER_VALUE, Value(40.0)),
+        thresholds=thresholds,
+        power=section.get("power", _NUMBER_VALUE, Value(70.0)),
+        power_limit=section.get("power_limit", _number, 700.0),
+        fan_speed=section.get("fan_speed", _RATIO_VALUE, Value(0.3)),
+        clocks=clocks,
+        performance_state=section.get("performance_state", int, 0),
+        clock_event_reasons=section.get("clock_event_reasons", reasons, 0),
+        ecc_enabled=ecc_enabled,
+        ecc_corrected=ecc_corrected,
+        ecc_uncorrected=ecc_uncorrected,
+        unsupported=section.get("unsupported", unsupported, frozenset()),
+        processes=tuple(_process(item) for item in section.sections("processes")),
+        errors=_errors(section, ("*", *FIELD_FUNCTIONS)),
+        present=present,
+    )
+    if gpu.memory_reserved >= gpu.memory_total:
+        raise section.error("memory_reserved", "must be less than memory_total")
+    section.done()
+    return gpu
+
+
+def parse_scenario(root: Section) -> Scenario:
+    """A validated Scenario from the root of a scenario document."""
+    driver = root.section("driver")
+
+    def functions(raw: Any) -> frozenset[str]:
+        if not isinstance(raw, list) or not all(isinstance(item, str) for item in raw):
+            raise ValueError("expected a list of pynvml function names")
+        return frozenset(raw)
+
+    def cuda(raw: Any) -> int:
+        major, _, minor = str(raw).partition(".")
+        if not major.isdigit() or (minor and not minor.isdigit()):
+            raise ValueError(f"expected a CUDA version like 12.4, got {raw!r}")
+        return int(major) * 1000 + int(minor or 0) * 10
+
+    scenario = Scenario(
+        driver_version=driver.get("version", str, "550.54.15"),
+        cuda_version=driver.get("cuda_version", cuda, 12040),
+        nvml_version=driver.get("nvml_version", str, "12.550.54.15"),
+        missing_functions=driver.get("missing_functions", functions, frozenset()),
+        call_latency=driver.get("call_latency", parse_duration, 0.0),
+        errors=_errors(driver, DRIVER_FIELDS),
+        gpus=tuple(_gpu(item, i) for i, item in enumerate(root.sections("gpus"))),
+    )
+    driver.done()
+    root.done()
+    return scenario
+
+
+def load_scenario(path: str) -> Scenario:
+    """Read a scenario file, or the built-in one for ``builtin``; raises ConfigError."""
+    if path == "builtin":
+        text = resources.files("exporter").joinpath("scenarios/builtin.yaml").read_text()
+        return parse_scenario(parse_document(text, "<builtin scenario>").root())
+    return parse_scenario(load_document(path).root())
+
+
+# -- the fake driver ---------------------------------------------------------------------------------
+
+
+class _Handle:
+    """What the fake nvmlDeviceGetHandleByIndex returns."""
+
+    __slots__ = ("gpu", "index")
+
+    def __init__(self, index: int, gpu: SimGpu) -> None:
+        self.index, self.gpu = index, gpu
+
+
+def _raise(name: str) -> None:
+    raise getattr(pynvml, f"NVMLError_{name}")()
+
+
+def _calls_library(obj: Any) -> bool:
+    """True for the pynvml functions that call into libnvidia-ml (wrappers call those)."""
+    code = getattr(obj, "__code__", None)
+    return code is not None and (
+        "_nvmlGetFunctionPointer" in code.co_names or "_LoadNvmlLibrary" in code.co_names
+    )
+
+
+def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class SimulatedDriver:
+    """Installs a Scenario as pynvml's functions; ``uninstall`` puts the real ones back."""
+
+    scenario: Scenario
+    clock: Callable[[], float] = time.monotonic
+    calls: Counter[str] = field(default_factory=Counter)
+    _t0: float = 0.0
+    _saved: dict[str, Any] = field(default_factory=dict)
+    _children: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    _pids: dict[tuple[int, int], int] = field(default_factory=dict)
+    _energy: dict[int, tuple[float, float]] = field(default_factory=dict)
+    _initialized: bool = False
+
+    def now(self) -> float:
+        """Seconds of scenario time."""
+        return self.clock() - self._t0
+
+    # -- installation ---------------------------------------------------------------------
+
+    def install(self) -> SimulatedDriver:
+        """Replace every ``nvml*`` function of pynvml; start the scenario's processes."""
+        if self._saved:
+            return self
+        self._t0 = self.clock()
+        fakes = self._fakes()
+        for name in dir(pynvml):
+            if _calls_library(getattr(pynvml, name)) or name in fakes:
+                self._saved[name] = getattr(pynvml, name)
+        for name in set(self._saved) | set(fakes):
+            if name in self.scenario.missing_functions or name not in fakes:
+                fake = self._missing(name)
+            else:
+                fake = self._counted(name, fakes[name])
+            setattr(pynvml, name, fake)
+        self._spawn()
+        return self
+
+    def uninstall(self) -> None:
+        """Restore pynvml and stop the processes the scenario spawned."""
+        for name, original in self._saved.items():
+            setattr(pynvml, name, original)
+        for name in [n for n in dir(pynvml) if n.startswith("nvml") and n not in self._saved]:
+            if getattr(getattr(pynvml, name), "__module__", "") == __name__:
+                delattr(pynvml, name)
+        self._saved.clear()
+        for child in self._children:
+            with contextlib.suppress(OSError):
+                child.terminate()
+        for child in self._children:
+            try:
+                child.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        self._children.clear()
+
+    def __enter__(self) -> SimulatedDriver:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    def _spawn(self) -> None:
+        for g, gpu in enumerate(self.scenario.gpus):
+            for p, proc in enumerate(gpu.processes):
+                if proc.spawn:
+                    argv = list(proc.spawn)
+                    if argv[0] in ("python", "python3"):  # the interpreter running the agent
+                        argv[0] = sys.executable
+                    child = subprocess.Popen(
+                        argv,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                        preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,
+                    )
+                    self._children.append(child)
+                    self._pids[(g, p)] = child.pid
+                elif proc.pid == "self":
+                    self._pids[(g, p)] = os.getpid()
+                elif proc.pid == "parent":
+                    self._pids[(g, p)] = os.getppid()
+                else:
+                    self._pids[(g, p)] = int(proc.pid)  # type: ignore[arg-type]
+
+    def _missing(self, name: str) -> Callable[..., Any]:
+        def missing(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            _raise("FunctionNotFound")
+
+        missing.__module__ = __name__
+        return missing
+
+    def _counted(self, name: str, impl: Callable[..., Any]) -> Callable[..., Any]:
+        latency = self.scenario.call_latency
+        field_name = _FIELD_OF.get(name)
+
+        def fake(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            if latency:
+                until = time.perf_counter() + latency
+                while time.perf_counter() < until:
+                    pass
+            t = self.now()
+            if name not in ("nvmlInit", "nvmlInitWithFlags", "nvmlShutdown"):
+                if not self._initialized:
+                    _raise("Uninitialized")
+            if args and isinstance(args[0], _Handle):
+                gpu = args[0].gpu
+                if not gpu.present.holds(t):
+                    _raise("GpuIsLost")
+                self._inject(gpu.errors, field_name, t)
+                if field_name in gpu.unsupported:
+                    _raise("NotSupported")
+            return impl(*args, **kwargs)
+
+        fake.__name__ = name
+        fake.__module__ = __name__
+        return fake
+
+    def _inject(self, errors: tuple[InjectedError, ...], field_name: str | None, t: float) -> None:
+        for error in errors:
+            if error.window.holds(t) and error.field in ("*", field_name):
+                if error.hang:
+                    time.sleep(error.hang)
+                    continue
+                _raise(error.error)
+
+    def _present(self) -> list[SimGpu]:
+        t = self.now()
+        return [gpu for gpu in self.scenario.gpus if gpu.present.holds(t)]
+
+    # -- the functions ----------------------------------------------------------------------
+
+    def _fakes(self) -> dict[str, Callable[..., Any]]:
+        s = self.scenario
+
+        def init(*_: Any) -> None:
+            self._inject(s.errors, "init", self.now())
+            self._initialized = True
+
+        def shutdown() -> None:
+            self._initialized = False
+
+        def count() -> int:
+            self._inject(s.errors, "count", self.now())
+            return len(self._present())
+
+        def handle(index: int) -> _Handle:
+            present = self._present()
+            if not 0 <= index < len(present):
+                _raise("InvalidArgument")
+            gpu = present[index]
+            self._inject(gpu.errors, "handle", self.now())
+            return _Handle(next(i for i, g in enumerate(s.gpus) if g is gpu), gpu)
+
+        def at(v: Value) -> float:
+            return v.at(self.now())
+
+        def memory(h: _Handle, version: int | None = None) -> Any:
+            if version and "nvmlDeviceGetMemoryInfo_v2" in s.missing_functions:
+                _raise("FunctionNotFound")
+            gpu = h.gpu
+            used = at(gpu.memory_used) + sum(m for _, m in self._live_processes(h))
+            used = int(min(max(used, 0), gpu.memory_total - gpu.memory_reserved))
+            if version:
+                out = pynvml.c_nvmlMemory_v2_t()
+                out.version, out.reserved = version, gpu.memory_reserved
+                out.used = used
+            else:  # v1 counts reserved memory as used
+                out = pynvml.c_nvmlMemory_t()
+                out.used = used + gpu.memory_reserved
+            out.total = gpu.memory_total
+            out.free = gpu.memory_total - gpu.memory_reserved - used
+            return out
+
+        def utilization(h: _Handle) -> Any:
+            out = pynvml.c_nvmlUtilization_t()
+            out.gpu = round(at(h.gpu.utilization) * 100)
+            out.memory = round(at(h.gpu.memory_utilization) * 100)
+            return out
+
+        def temperature(h: _Handle, sensor: int, version: int | None = None) -> int:
+            return round(at(h.gpu.temperature))
+
+        def field_values(h: _Handle, ids: list[int]) -> Any:
+            values = (pynvml.c_nvmlFieldValue_t * len(ids))()
+            for i, field_id in enumerate(ids):
+                values[i].fieldId = field_id
+                if field_id == 82:  # NVML_FI_DEV_MEMORY_TEMP
+                    values[i].valueType = 1
+                    values[i].value.uiVal = round(at(h.gpu.memory_temperature))
+                else:
+                    values[i].nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+            return values
+
+        def power(h: _Handle) -> int:
+            return round(at(h.gpu.power) * 1000)
+
+        def energy(h: _Handle) -> int:
+            t = self.now()
+            last_t, total = self._energy.get(h.index, (0.0, 0.0))
+            total += max(t - last_t, 0.0) * at(h.gpu.power) * 1000
+            self._energy[h.index] = (t, total)
+            return int(total)
+
+        def clock(h: _Handle, clock_type: int) -> int:
+            return round(at(h.gpu.clocks[_CLOCK_NAMES[clock_type]]))
+
+        def reasons(h: _Handle) -> int:
+            bits = h.gpu.clock_event_reasons
+            slowdown = h.gpu.thresholds.get("slowdown")
+            if slowdown is not None and at(h.gpu.temperature) >= slowdown:
+                bits |= _REASON_BITS["sw_thermal_slowdown"]
+            return bits
+
+        def threshold(h: _Handle, kind: int) -> int:
+            name = next((k for k, v in _THRESHOLD_CODES.items() if v == kind), None)
+            value = h.gpu.thresholds.get(name) if name else None
+            if value is None:
+                _raise("NotSupported")
+            return round(value)
+
+        def ecc_errors(h: _Handle, error_type: int, counter: int) -> int:
+            return int(at(h.gpu.ecc_uncorrected if error_type else h.gpu.ecc_corrected))
+
+        def pci(h: _Handle) -> Any:
+            out = pynvml.nvmlPciInfo_t()
+            out.busId = h.gpu.pci_bus_id.encode()
+            return out
+
+        def processes(kind: str) -> Callable[[_Handle], list[Any]]:
+            def listed(h: _Handle) -> list[Any]:
+                return [
+                    pynvml.nvmlFriendlyObject(
+                        {
+                            "pid": pid,
+                            "usedGpuMemory": int(used),
+                            "gpuInstanceId": 0xFFFFFFFF,
+                            "computeInstanceId": 0xFFFFFFFF,
+                        }
+                    )
+                    for pid, used in self._live_processes(h, kind)
+                ]
+
+            return listed
+
+        fakes: dict[str, Callable[..., Any]] = {
+            "nvmlInit": init,
+            "nvmlInitWithFlags": init,
+            "nvmlShutdown": shutdown,
+            "nvmlSystemGetDriverVersion": lambda: s.driver_version,
+            "nvmlSystemGetNVMLVersion": lambda: s.nvml_version,
+            "nvmlSystemGetCudaDriverVersion": lambda: s.cuda_version,
+            "nvmlSystemGetCudaDriverVersion_v2": lambda: s.cuda_version,
+            "nvmlDeviceGetCount": count,
+            "nvmlDeviceGetHandleByIndex": handle,
+            "nvmlDeviceGetUUID": lambda h: h.gpu.uuid,
+            "nvmlDeviceGetName": lambda h: h.gpu.name,
+            "nvmlDeviceGetPciInfo": pci,
+            "nvmlDeviceGetPciInfo_v3": pci,
+            "nvmlDeviceGetSerial": lambda h: h.gpu.serial,
+            "nvmlDeviceGetMinorNumber": lambda h: h.gpu.minor_number,
+            "nvmlDeviceGetTemperatureThreshold": threshold,
+            "nvmlDeviceGetEnforcedPowerLimit": lambda h: round(h.gpu.power_limit * 1000),
+            "nvmlDeviceGetEccMode": lambda h: [int(h.gpu.ecc_enabled), int(h.gpu.ecc_enabled)],
+            "nvmlDeviceGetMemoryInfo": memory,
+            "nvmlDeviceGetUtilizationRates": utilization,
+            "nvmlDeviceGetTemperature": temperature,
+            "nvmlDeviceGetTemperatureV": temperature,
+            "nvmlDeviceGetFieldValues": field_values,
+            "nvmlDeviceGetPowerUsage": power,
+            "nvmlDeviceGetTotalEnergyConsumption": energy,
+            "nvmlDeviceGetFanSpeed": lambda h: round(at(h.gpu.fan_speed) * 100),
+            "nvmlDeviceGetClockInfo": clock,
+            "nvmlDeviceGetPerformanceState": lambda h: h.gpu.performance_state,
+            "nvmlDeviceGetCurrentClocksEventReasons": reasons,
+            "nvmlDeviceGetCurrentClocksThrottleReasons": reasons,
+            "nvmlDeviceGetTotalEccErrors": ecc_errors,
+        }
+        for kind, fn in (("compute", "GetCompute"), ("graphics", "GetGraphics")):
+            for version in ("", "_v2", "_v3"):
+                fakes[f"nvmlDevice{fn}RunningProcesses{version}"] = processes(kind)
+        return fakes
+
+    def _live_processes(self, h: _Handle, kind: str | None = None) -> Iterator[tuple[int, float]]:
+        t = self.now()
+        for p, proc in enumerate(h.gpu.processes):
+            if proc.window.holds(t) and (kind is None or proc.type == kind):
+                yield self._pids[(h.index, p)], max(proc.memory.at(t), 0.0)
+
+
+def simulate(path: str, clock: Callable[[], float] = time.monotonic) -> SimulatedDriver:
+    """Load ``path`` (or ``builtin``) and install it; raises ConfigError for a bad scenario."""
+    return SimulatedDriver(load_scenario(path), clock).install()

@@ -1,0 +1,176 @@
+"""Immutable result of one sample: the host, its GPUs, their processes, and what went wrong.
+
+Everything downstream (metrics, /snapshot, status, actions) reads these objects and nothing else.
+A field that the GPU does not support, or that failed this sample, is ``None``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+#: Clock-event (throttle) reason bits, as NVML defines them; names are the metric's ``reason``.
+CLOCK_EVENT_REASONS: tuple[tuple[str, int], ...] = (
+    ("gpu_idle", 0x1),
+    ("applications_clocks_setting", 0x2),
+    ("sw_power_cap", 0x4),
+    ("hw_slowdown", 0x8),
+    ("sync_boost", 0x10),
+    ("sw_thermal_slowdown", 0x20),
+    ("hw_thermal_slowdown", 0x40),
+    ("hw_power_brake_slowdown", 0x80),
+    ("display_clock_setting", 0x100),
+)
+
+
+def frozen_map(values: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """A read-only copy of ``values`` (the Snapshot's maps must not change after publication)."""
+    return MappingProxyType(dict(values)) if values else _EMPTY
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """Facts about the host and its driver, read once per NVML initialisation."""
+
+    hostname: str
+    driver_version: str = ""
+    cuda_version: str = ""
+    nvml_version: str = ""
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """Static facts of one GPU, read once per NVML initialisation."""
+
+    index: int
+    uuid: str
+    name: str = ""
+    pci_bus_id: str = ""
+    serial: str = ""
+    minor_number: int | None = None
+    memory_total_bytes: int | None = None
+    #: ``slowdown``, ``shutdown``, ``gpu_max``, ``memory_max`` in celsius, where the GPU has them.
+    temperature_thresholds: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
+    power_limit_watts: float | None = None
+    ecc_enabled: bool | None = None
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A process NVML lists on a GPU, enriched from procfs when the PID is visible here."""
+
+    pid: int
+    type: str  # "compute" or "graphics"
+    used_memory_bytes: int | None
+    visible: bool
+    name: str = ""
+    user: str = ""
+    uid: int | None = None
+    cmdline: tuple[str, ...] = ()
+    state: str = ""
+    ppid: int | None = None
+    pgid: int | None = None
+    sid: int | None = None
+    start_time: float | None = None  # seconds since the epoch
+    container_id: str = ""
+    pod_uid: str = ""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU in one sample. ``up`` is False when the sample of this GPU failed."""
+
+    index: int
+    uuid: str
+    up: bool
+    info: GpuInfo | None = None
+    error: str = ""
+    memory_used_bytes: int | None = None
+    memory_free_bytes: int | None = None
+    memory_reserved_bytes: int | None = None
+    utilization_ratio: float | None = None
+    memory_utilization_ratio: float | None = None
+    temperature_celsius: float | None = None
+    memory_temperature_celsius: float | None = None
+    power_watts: float | None = None
+    energy_joules: float | None = None
+    fan_speed_ratio: float | None = None
+    #: ``graphics``, ``sm``, ``memory``, ``video`` in Hz, where supported.
+    clocks_hz: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
+    performance_state: int | None = None
+    clock_event_reasons: int | None = None
+    #: ``corrected``, ``uncorrected`` volatile ECC error counts, where ECC is on.
+    ecc_errors: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    processes: tuple[GpuProcess, ...] | None = None
+
+    def clock_events_active(self) -> dict[str, bool] | None:
+        """Decoded clock-event reason bits, or None when unknown."""
+        if self.clock_event_reasons is None:
+            return None
+        return {name: bool(self.clock_event_reasons & bit) for name, bit in CLOCK_EVENT_REASONS}
+
+
+@dataclass(frozen=True)
+class SampleError:
+    """Something that failed in a sample: where (``source``), on which GPU, and the error name."""
+
+    source: str  # "init", "gpu", "field", "procfs"
+    error: str  # NVML error class name without the NVMLError_ prefix, or an OS error name
+    gpu: int | None = None
+    field: str = ""
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything one sample saw. Published by atomic reference; never mutated."""
+
+    seq: int
+    timestamp: float  # wall clock, seconds since the epoch, when the sample started
+    monotonic: float  # monotonic clock when the sample started (for ages)
+    duration_seconds: float
+    nvml_up: bool
+    host: HostInfo
+    gpus: tuple[Gpu, ...] = ()
+    errors: tuple[SampleError, ...] = ()
+    nvml_error: str = ""
+    nvml_calls: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of the whole Snapshot."""
+        return _jsonable(self)
+
+    @property
+    def processes(self) -> tuple[tuple[Gpu, GpuProcess], ...]:
+        """Every (GPU, process) pair in this Snapshot."""
+        return tuple((gpu, proc) for gpu in self.gpus for proc in gpu.processes or ())
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, Gpu):
+            out["clock_events_active"] = value.clock_events_active()
+        return out
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+__all__ = [
+    "CLOCK_EVENT_REASONS",
+    "Gpu",
+    "GpuInfo",
+    "GpuProcess",
+    "HostInfo",
+    "SampleError",
+    "Snapshot",
+    "frozen_map",
+]

@@ -1,0 +1,67 @@
+"""The one-shot ``status`` view of a Snapshot: a table of GPUs and their processes."""
+
+from __future__ import annotations
+
+import time
+
+from exporter.snapshot import Gpu, GpuProcess, Snapshot
+from exporter.units import format_bytes
+
+_HEADER = f"{'GPU':>3}  {'NAME':<26} {'TEMP':>5} {'UTIL':>5} {'MEMORY USED / TOTAL':>21} {'POWER':>13}  THROTTLE"
+_PROCESS_HEADER = f"{'':>3}  {'PID':>8} {'USER':<12} {'TYPE':<8} {'MEMORY':>9}  COMMAND"
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _throttle(gpu: Gpu) -> str:
+    active = gpu.clock_events_active()
+    if active is None:
+        return "-"
+    names = [name for name, on in active.items() if on and name != "gpu_idle"]
+    return ",".join(names) or "none"
+
+
+def _gpu_line(gpu: Gpu) -> str:
+    name = gpu.info.name if gpu.info else "?"
+    if not gpu.up:
+        return f"{gpu.index:>3}  {name[:26]:<26} DOWN: {gpu.error}"
+    total = gpu.info.memory_total_bytes if gpu.info else None
+    memory = f"{format_bytes(gpu.memory_used_bytes)} / {format_bytes(total)}"
+    limit = gpu.info.power_limit_watts if gpu.info else None
+    power = f"{_fmt(gpu.power_watts, '.0f')} / {_fmt(limit, '.0f')} W"
+    temp = _fmt(gpu.temperature_celsius, ".0f", "C")
+    util = _fmt(
+        gpu.utilization_ratio * 100 if gpu.utilization_ratio is not None else None, ".0f", "%"
+    )
+    return f"{gpu.index:>3}  {name[:26]:<26} {temp:>5} {util:>5} {memory:>21} {power:>13}  {_throttle(gpu)}"
+
+
+def _process_line(proc: GpuProcess) -> str:
+    if not proc.visible:
+        command = "(not visible here: another PID namespace, or it exited)"
+    else:
+        command = " ".join(proc.cmdline) or proc.name
+    if len(command) > 60:
+        command = command[:57] + "..."
+    user = (proc.user or "?")[:12]
+    return f"{'':>3}  {proc.pid:>8} {user:<12} {proc.type:<8} {format_bytes(proc.used_memory_bytes):>9}  {command}"
+
+
+def format_status(snapshot: Snapshot) -> str:
+    """A gpustat-like table of every GPU and its processes."""
+    host = snapshot.host
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snapshot.timestamp))
+    lines = [
+        f"{host.hostname}  {when}  driver {host.driver_version or '?'}  CUDA {host.cuda_version or '?'}",
+        _HEADER,
+    ]
+    for gpu in snapshot.gpus:
+        lines.append(_gpu_line(gpu))
+        if gpu.processes:
+            lines.append(_PROCESS_HEADER)
+            lines.extend(_process_line(proc) for proc in sorted(gpu.processes, key=lambda p: p.pid))
+    if not snapshot.gpus:
+        lines.append("  (no GPUs)")
+    return "\n".join(lines)

@@ -1,0 +1,166 @@
+"""Strict YAML reading for config and scenario files: every error names file, line, key and why.
+
+Unknown keys are errors (a typo must not silently disable a setting), and so are duplicate keys,
+which plain PyYAML would silently resolve to the last one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+_MISSING: Any = object()
+
+
+class ConfigError(Exception):
+    """A bad setting: ``where`` (file:line, flag or variable), ``key`` and why."""
+
+    def __init__(self, where: str, key: str, why: str) -> None:
+        self.where, self.key, self.why = where, key, why
+        super().__init__(f"{where}: {key}: {why}" if key else f"{where}: {why}")
+
+
+class Document:
+    """A parsed YAML file with the line of every key."""
+
+    def __init__(self, path: str, data: Any, lines: dict[tuple[Any, ...], int]) -> None:
+        self.path, self.data, self.lines = path, data, lines
+
+    def where(self, keys: tuple[Any, ...]) -> str:
+        """``file:line`` of the value at ``keys`` (or of its nearest parent)."""
+        while keys and keys not in self.lines:
+            keys = keys[:-1]
+        return f"{self.path}:{self.lines.get(keys, 1)}"
+
+    def root(self) -> Section:
+        """The top-level mapping; an empty file is an empty mapping."""
+        data = {} if self.data is None else self.data
+        if not isinstance(data, dict):
+            raise ConfigError(f"{self.path}:1", "", "the file must be a mapping of keys to values")
+        return Section(self, (), data)
+
+
+def _build(node: yaml.Node, keys: tuple[Any, ...], doc_lines: dict, loader: yaml.SafeLoader) -> Any:
+    doc_lines[keys] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        out: dict[Any, Any] = {}
+        for key_node, value_node in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            if isinstance(key, (dict, list)):
+                raise ConfigError(f"?:{key_node.start_mark.line + 1}", "", "keys must be scalars")
+            if key in out:
+                raise ConfigError(
+                    f"?:{key_node.start_mark.line + 1}", _dotted((*keys, key)), "duplicate key"
+                )
+            out[key] = _build(value_node, (*keys, key), doc_lines, loader)
+            doc_lines[(*keys, key)] = key_node.start_mark.line + 1
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_build(item, (*keys, i), doc_lines, loader) for i, item in enumerate(node.value)]
+    return loader.construct_object(node, deep=True)
+
+
+def load_document(path: str) -> Document:
+    """Read and parse ``path``; raises ConfigError for unreadable files and bad YAML."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            path, "", f"cannot read: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
+    return parse_document(text, path)
+
+
+def parse_document(text: str, path: str = "<string>") -> Document:
+    """Parse YAML ``text`` (named ``path`` in errors)."""
+    loader = yaml.SafeLoader(text)
+    lines: dict[tuple[Any, ...], int] = {}
+    try:
+        node = loader.get_single_node()
+        data = None if node is None else _build(node, (), lines, loader)
+    except ConfigError as exc:
+        raise ConfigError(exc.where.replace("?", path, 1), exc.key, exc.why) from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{line}", "", f"invalid YAML: {exc.problem or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(path, "", f"invalid YAML: {exc}") from None
+    finally:
+        loader.dispose()
+    return Document(path, data, lines)
+
+
+def _dotted(keys: tuple[Any, ...]) -> str:
+    out = ""
+    for key in keys:
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return out
+
+
+class Section:
+    """One mapping of a Document being validated; :meth:`done` rejects keys nobody took."""
+
+    def __init__(self, doc: Document, keys: tuple[Any, ...], data: dict[Any, Any]) -> None:
+        self.doc, self.keys, self.data = doc, keys, data
+        self._taken: set[Any] = set()
+
+    def error(self, key: Any, why: str) -> ConfigError:
+        """A ConfigError located at ``key`` of this section."""
+        keys = (*self.keys, key) if key is not None else self.keys
+        return ConfigError(self.doc.where(keys), _dotted(keys), why)
+
+    def has(self, key: str) -> bool:
+        return key in self.data
+
+    def get(self, key: str, parse: Callable[[Any], T], default: T = _MISSING) -> T:
+        """Parse the value of ``key``; a ValueError from ``parse`` becomes a located error."""
+        self._taken.add(key)
+        if key not in self.data:
+            if default is _MISSING:
+                raise self.error(key, "is required")
+            return default
+        try:
+            return parse(self.data[key])
+        except ConfigError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise self.error(key, str(exc)) from None
+
+    def section(self, key: str, required: bool = False) -> Section:
+        """The sub-mapping at ``key`` (an empty one when absent and not required)."""
+        self._taken.add(key)
+        value = self.data.get(key)
+        if value is None:
+            if required:
+                raise self.error(key, "is required")
+            return Section(self.doc, (*self.keys, key), {})
+        if not isinstance(value, dict):
+            raise self.error(key, f"must be a mapping, got {type(value).__name__}")
+        return Section(self.doc, (*self.keys, key), value)
+
+    def sections(self, key: str) -> list[Section]:
+        """The list of mappings at ``key`` (empty when absent)."""
+        self._taken.add(key)
+        value = self.data.get(key)
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            raise self.error(key, f"must be a list, got {type(value).__name__}")
+        out = []
+        for i, item in enumerate(value):
+            if not isinstance(item, dict):
+                raise self.error(key, f"item {i} must be a mapping, got {type(item).__name__}")
+            out.append(Section(self.doc, (*self.keys, key, i), item))
+        return out
+
+    def done(self) -> None:
+        """Raise for the first key that no ``get``/``section`` call asked for."""
+        for key in self.data:
+            if key not in self._taken:
+                known = ", ".join(sorted(map(str, self._taken))) or "none"
+                raise self.error(key, f"unknown key (known here: {known})")
