@@ -125,7 +125,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not snapshot.nvml_up:
         print(
             f"gpu-exporter: NVML is not available: {snapshot.nvml_error}. Is the NVIDIA driver "
-            "installed and loaded? To try gpu-exporter without a GPU: gpu-exporter status --simulate",
+            "installed and loaded? To try gpu-exporter without a GPU: "
+            "gpu-exporter status --simulate",
             file=sys.stderr,
         )
         return EXIT_FAILURE

@@ -61,6 +61,7 @@ FIELD_FUNCTIONS: dict[str, tuple[str, ...]] = {
 }
 _FIELD_OF = {fn: name for name, fns in FIELD_FUNCTIONS.items() for fn in fns}
 DRIVER_FIELDS = ("init", "count")
+_LIFECYCLE = ("nvmlInit", "nvmlInitWithFlags", "nvmlShutdown")
 _REASON_BITS = dict(CLOCK_EVENT_REASONS)
 _THRESHOLD_CODES = {"shutdown": 0, "slowdown": 1, "memory_max": 2, "gpu_max": 3}
 _CLOCK_NAMES = ("graphics", "sm", "memory", "video")
@@ -157,7 +158,7 @@ class Window:
 
 @dataclass(frozen=True)
 class InjectedError:
-    """Calls behind ``field`` raise ``error`` (or first sleep ``hang`` seconds) during ``window``."""
+    """Calls behind ``field`` raise ``error`` (or sleep ``hang`` seconds) during ``window``."""
 
     field: str
     error: str
@@ -393,7 +394,7 @@ def load_scenario(path: str) -> Scenario:
     return parse_scenario(load_document(path).root())
 
 
-# -- the fake driver ---------------------------------------------------------------------------------
+# -- the fake driver -------------------------------------------------------------------------
 
 
 class _Handle:
@@ -527,9 +528,8 @@ class SimulatedDriver:
                 while time.perf_counter() < until:
                     pass
             t = self.now()
-            if name not in ("nvmlInit", "nvmlInitWithFlags", "nvmlShutdown"):
-                if not self._initialized:
-                    _raise("Uninitialized")
+            if not self._initialized and name not in _LIFECYCLE:
+                _raise("Uninitialized")
             if args and isinstance(args[0], _Handle):
                 gpu = args[0].gpu
                 if not gpu.present.holds(t):

@@ -7,8 +7,10 @@ import time
 from exporter.snapshot import Gpu, GpuProcess, Snapshot
 from exporter.units import format_bytes
 
-_HEADER = f"{'GPU':>3}  {'NAME':<26} {'TEMP':>5} {'UTIL':>5} {'MEMORY USED / TOTAL':>21} {'POWER':>13}  THROTTLE"
-_PROCESS_HEADER = f"{'':>3}  {'PID':>8} {'USER':<12} {'TYPE':<8} {'MEMORY':>9}  COMMAND"
+_GPU_ROW = "{:>3}  {:<26} {:>5} {:>5} {:>21} {:>13}  {}"
+_PROCESS_ROW = "{:>3}  {:>8} {:<12} {:<8} {:>9}  {}"
+_HEADER = _GPU_ROW.format("GPU", "NAME", "TEMP", "UTIL", "MEMORY USED / TOTAL", "POWER", "THROTTLE")
+_PROCESS_HEADER = _PROCESS_ROW.format("", "PID", "USER", "TYPE", "MEMORY", "COMMAND")
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
@@ -35,7 +37,7 @@ def _gpu_line(gpu: Gpu) -> str:
     util = _fmt(
         gpu.utilization_ratio * 100 if gpu.utilization_ratio is not None else None, ".0f", "%"
     )
-    return f"{gpu.index:>3}  {name[:26]:<26} {temp:>5} {util:>5} {memory:>21} {power:>13}  {_throttle(gpu)}"
+    return _GPU_ROW.format(gpu.index, name[:26], temp, util, memory, power, _throttle(gpu))
 
 
 def _process_line(proc: GpuProcess) -> str:
@@ -46,15 +48,17 @@ def _process_line(proc: GpuProcess) -> str:
     if len(command) > 60:
         command = command[:57] + "..."
     user = (proc.user or "?")[:12]
-    return f"{'':>3}  {proc.pid:>8} {user:<12} {proc.type:<8} {format_bytes(proc.used_memory_bytes):>9}  {command}"
+    memory = format_bytes(proc.used_memory_bytes)
+    return _PROCESS_ROW.format("", proc.pid, user, proc.type, memory, command)
 
 
 def format_status(snapshot: Snapshot) -> str:
     """A gpustat-like table of every GPU and its processes."""
     host = snapshot.host
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snapshot.timestamp))
+    driver, cuda = host.driver_version or "?", host.cuda_version or "?"
     lines = [
-        f"{host.hostname}  {when}  driver {host.driver_version or '?'}  CUDA {host.cuda_version or '?'}",
+        f"{host.hostname}  {when}  driver {driver}  CUDA {cuda}",
         _HEADER,
     ]
     for gpu in snapshot.gpus:

@@ -1,0 +1,143 @@
+"""The HTTP routes on a real loopback socket, over a real sampler thread."""
+
+from __future__ import annotations
+
+import gzip
+import http.client
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.collect import Collector
+from exporter.http import App, serve
+from exporter.nvml import Nvml
+from exporter.procfs import ProcFs
+from exporter.sampler import Sampler
+
+SCENARIO = """
+gpus:
+  - name: GPU A
+    processes: [{pid: self, memory: 1GiB}]
+  - name: GPU B
+"""
+HANGING = SCENARIO + "    errors: [{field: power, hang: 1.2s, from: 0.6s, until: 0.7s}]\n"
+
+
+class Agent:
+    def __init__(self, sampler: Sampler, port: int) -> None:
+        self.sampler, self.port = sampler, port
+
+    def get(self, path: str, method: str = "GET", headers: dict | None = None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        try:
+            conn.request(method, path, headers=headers or {})
+            response = conn.getresponse()
+            return response.status, dict(response.getheaders()), response.read()
+        finally:
+            conn.close()
+
+
+def wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def agent(request) -> Iterator[Agent]:
+    from exporter.simulate import SimulatedDriver, parse_scenario
+    from exporter.yamlconf import parse_document
+
+    text = getattr(request, "param", SCENARIO)
+    driver = SimulatedDriver(parse_scenario(parse_document(text).root())).install()
+    collector = Collector(Nvml(), ProcFs())
+    sampler = Sampler(collector, interval=0.1, deadline=0.2)
+    server = serve(App(sampler), "127.0.0.1", 0)
+    sampler.start()
+    wait_for(lambda: sampler.latest is not None)
+    try:
+        yield Agent(sampler, server.port)
+    finally:
+        server.close()
+        sampler.stop(3)
+        collector.close()
+        driver.uninstall()
+
+
+def test_routes(agent):
+    status, headers, body = agent.get("/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    names = {f.name for f in text_string_to_metric_families(body.decode())}
+    assert {
+        "gpu_up",
+        "gpu_info",
+        "gpu_exporter_snapshot_stale",
+        "gpu_process_memory_used_bytes",
+    } <= names
+    status, _, body = agent.get("/healthz")
+    assert (status, body) == (200, b"ok\n")
+    status, headers, body = agent.get("/snapshot")
+    snap = json.loads(body)
+    assert status == 200 and headers["Content-Type"] == "application/json"
+    assert [g["index"] for g in snap["gpus"]] == [0, 1] and snap["health"]["ok"]
+    status, _, body = agent.get(f"/snapshot?gpu={snap['gpus'][1]['uuid']}")
+    assert status == 200 and [g["index"] for g in json.loads(body)["gpus"]] == [1]
+    status, _, body = agent.get("/snapshot?gpu=0&gpu=1")
+    assert status == 200 and len(json.loads(body)["gpus"]) == 2
+    status, headers, body = agent.get("/")
+    assert status == 200 and b"/metrics" in body and headers["Content-Type"].startswith("text/html")
+
+
+def test_gzip(agent):
+    status, headers, body = agent.get("/metrics", headers={"Accept-Encoding": "gzip"})
+    assert status == 200 and headers["Content-Encoding"] == "gzip"
+    assert b"gpu_up" in gzip.decompress(body)
+
+
+@pytest.mark.parametrize(
+    ("path", "method", "status", "needle"),
+    [
+        ("/nope", "GET", 404, b"no such path"),
+        ("/../etc/passwd", "GET", 404, b"no such path"),
+        ("/metrics?foo=1", "GET", 400, b"unknown query parameter 'foo'"),
+        ("/snapshot?gpu=7", "GET", 404, b"no GPU '7'"),
+        ("/snapshot?gpu=", "GET", 404, b"no GPU ''"),
+        ("/snapshot?gpu", "GET", 400, b"malformed query string"),
+        ("/snapshot?&&=", "GET", 400, b"malformed query string"),
+        ("/snapshot?" + "gpu=0&" * 1000, "GET", 414, b"longer than"),
+        ("/metrics", "POST", 405, b"POST is not allowed"),
+        ("/healthz", "DELETE", 405, b"DELETE is not allowed"),
+    ],
+)
+def test_bad_requests_get_clear_errors(agent, path, method, status, needle):
+    got, headers, body = agent.get(path, method)
+    assert got == status and needle in body, body
+    if status == 405:
+        assert headers["Allow"] == "GET, HEAD"
+
+
+def test_head(agent):
+    status, headers, body = agent.get("/metrics", "HEAD")
+    assert status == 200 and body == b"" and int(headers["Content-Length"]) > 0
+
+
+@pytest.mark.parametrize("agent", [HANGING], indirect=True)
+def test_hung_sample_keeps_serving_reports_stale_and_recovers(agent):
+    sampler = agent.sampler
+    wait_for(lambda: not sampler.health().ok, timeout=5)  # GPU B's power call hangs 1.2 s
+    status, _, body = agent.get("/healthz")
+    assert status == 503 and body.startswith(b"stale: last sample")
+    status, _, body = agent.get("/metrics")
+    assert status == 200
+    found = {
+        s.name: s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples
+    }
+    assert found["gpu_exporter_snapshot_stale"] == 1
+    assert found["gpu_exporter_snapshot_age_seconds"] > 0.3
+    wait_for(lambda: sampler.health().ok, timeout=5)
+    assert agent.get("/healthz")[0] == 200
+    assert sampler.stats.deadline_exceeded_total >= 1

@@ -1,0 +1,141 @@
+"""Snapshot -> exposition, parsed back with prometheus_client's own parser."""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.metrics import SelfStats, render, render_liveness
+
+SCENARIO = """
+gpus:
+  - name: NVIDIA H100 80GB HBM3
+    memory_total: 80GiB
+    memory_reserved: 1GiB
+    temperature: 70
+    power: 350
+    unsupported: [fan_speed]
+    ecc: {corrected: 5, uncorrected: 2}
+    clock_event_reasons: [hw_thermal_slowdown]
+    processes:
+      - {pid: self, memory: 4GiB}
+      - {pid: parent, memory: 2GiB, until: 10s}
+  - name: NVIDIA GeForce RTX 4090
+    ecc: {enabled: false}
+    fan_speed: 0.5
+    errors: [{field: "*", error: GpuIsLost, from: 20s}]
+"""
+
+
+def samples(exposition: bytes) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(exposition.decode()):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def one(found: dict, name: str, **labels: str) -> float:
+    matches = [
+        s for s in found.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+    assert len(matches) == 1, (name, labels, found.get(name))
+    return matches[0].value
+
+
+def test_every_contract_metric_with_values(simulated, collector):
+    simulated(SCENARIO)
+    snap = collector.sample()
+    stats = SelfStats(interval_seconds=5)
+    stats.count(snap, deadline=5)
+    found = samples(render(snap, stats))
+    uuid = snap.gpus[0].uuid
+    info = found["gpu_info"][0].labels
+    assert info["gpu"] == "0" and info["uuid"] == uuid
+    assert info["name"] == "NVIDIA H100 80GB HBM3"
+    assert info["driver_version"] == "550.54.15" and info["cuda_version"] == "12.4"
+    assert info["pci_bus_id"].startswith("00000000:")
+    assert one(found, "gpu_up", gpu="0", uuid=uuid) == 1
+    assert one(found, "gpu_memory_total_bytes", gpu="0") == 80 * 1024**3
+    assert one(found, "gpu_memory_used_bytes", gpu="0") == 6 * 1024**3
+    assert one(found, "gpu_memory_reserved_bytes", gpu="0") == 1024**3
+    assert one(found, "gpu_memory_free_bytes", gpu="0") == (80 - 1 - 6) * 1024**3
+    assert one(found, "gpu_temperature_celsius", gpu="0") == 70
+    assert one(found, "gpu_temperature_threshold_celsius", gpu="0", threshold="slowdown") == 89
+    assert one(found, "gpu_power_watts", gpu="0") == 350
+    assert one(found, "gpu_power_limit_watts", gpu="0") == 700
+    assert one(found, "gpu_clock_hz", gpu="0", clock="sm") == 1755e6
+    assert one(found, "gpu_clock_event_active", gpu="0", reason="hw_thermal_slowdown") == 1
+    assert one(found, "gpu_clock_event_active", gpu="0", reason="sw_power_cap") == 0
+    assert one(found, "gpu_ecc_errors_total", gpu="0", type="uncorrected") == 2
+    assert one(found, "gpu_processes", gpu="0") == 2
+    assert one(found, "gpu_performance_state", gpu="0") == 0
+    assert "gpu_energy_joules_total" in found
+    me = one(found, "gpu_process_memory_used_bytes", gpu="0", pid=str(os.getpid()), type="compute")
+    assert me == 4 * 1024**3
+    assert one(found, "gpu_fan_speed_ratio", gpu="1") == 0.5
+    assert one(found, "gpu_exporter_nvml_up") == 1
+    assert one(found, "gpu_exporter_samples_total") == 1
+    assert one(found, "gpu_exporter_last_sample_timestamp_seconds") == snap.timestamp
+    assert one(found, "gpu_exporter_sample_nvml_calls") == snap.nvml_calls
+    assert found["gpu_exporter_build_info"][0].labels["version"]
+
+
+def test_unsupported_fields_are_absent_never_zero_or_nan(simulated, collector):
+    simulated(SCENARIO)
+    found = samples(render(collector.sample(), SelfStats(5)))
+    assert [s.labels["gpu"] for s in found["gpu_fan_speed_ratio"]] == ["1"]
+    assert {s.labels["gpu"] for s in found["gpu_ecc_errors_total"]} == {"0"}
+    for name, series in found.items():
+        for sample in series:
+            assert sample.value == sample.value, f"NaN in {name}"
+
+
+def test_label_sets_keep_their_shape_and_ended_processes_leave(simulated, collector, clock):
+    simulated(SCENARIO)
+    before = samples(render(collector.sample(), SelfStats(5)))
+    clock.advance(10)  # the parent's process ended
+    after = samples(render(collector.sample(), SelfStats(5)))
+    for name in before:
+        shapes = {tuple(sorted(s.labels)) for s in before[name] + after.get(name, [])}
+        assert len(shapes) == 1, (name, shapes)
+    pids = {s.labels["pid"] for s in after["gpu_process_memory_used_bytes"]}
+    assert pids == {str(os.getpid())}
+    assert one(after, "gpu_processes", gpu="0") == 1
+
+
+def test_failed_gpu_keeps_identity_and_up_zero_only(simulated, collector, clock):
+    simulated(SCENARIO)
+    collector.sample()
+    clock.advance(20)
+    snap = collector.sample()
+    stats = SelfStats(5)
+    stats.count(snap, 5)
+    found = samples(render(snap, stats))
+    uuid = snap.gpus[1].uuid
+    assert one(found, "gpu_up", gpu="1", uuid=uuid) == 0
+    assert one(found, "gpu_info", gpu="1", uuid=uuid) == 1
+    for name, series in found.items():
+        if (
+            name not in ("gpu_up", "gpu_info")
+            and name.startswith("gpu_")
+            and not name.startswith("gpu_exporter")
+        ):
+            assert all(s.labels.get("gpu") != "1" for s in series), name
+    assert one(found, "gpu_up", gpu="0") == 1
+    assert one(found, "gpu_exporter_sample_errors_total", source="gpu", error="GpuIsLost") == 1
+
+
+def test_nvml_down_exports_only_self_metrics(simulated, collector):
+    simulated("driver: {errors: [{field: init, error: LibraryNotFound}]}\ngpus: [{}]\n")
+    found = samples(render(collector.sample(), SelfStats(5)))
+    assert one(found, "gpu_exporter_nvml_up") == 0
+    assert all(name.startswith("gpu_exporter_") for name in found)
+
+
+def test_liveness_lines_parse():
+    found = samples(render_liveness(12.5, True))
+    assert one(found, "gpu_exporter_snapshot_age_seconds") == 12.5
+    assert one(found, "gpu_exporter_snapshot_stale") == 1
+    assert "gpu_exporter_snapshot_age_seconds" not in samples(render_liveness(None, True))

@@ -1,0 +1,197 @@
+"""exporter.nvml on simulated drivers: version fallbacks, remembered gaps, failure classes."""
+
+from __future__ import annotations
+
+import pytest
+
+from exporter.nvml import GpuFailed, Nvml, NvmlUnavailable
+
+ONE_GPU = """
+gpus:
+  - name: NVIDIA H100 80GB HBM3
+    memory_total: 80GiB
+    memory_reserved: 1GiB
+    memory_used: 10GiB
+    temperature: 61
+    power: 300
+    power_limit: 700
+    utilization: 0.5
+    memory_utilization: 0.25
+    fan_speed: 0.4
+    clock_event_reasons: [sw_power_cap, hw_power_brake_slowdown]
+    ecc: {corrected: 3, uncorrected: 1}
+    processes:
+      - pid: self
+        memory: 2GiB
+      - pid: self
+        memory: 1GiB
+        type: graphics
+"""
+
+
+def _read(nvml: Nvml, index: int = 0):
+    info = nvml.read_info(index)
+    return info, nvml.read_gpu(info)
+
+
+def test_reads_every_field_with_current_driver(simulated):
+    simulated(ONE_GPU)
+    nvml = Nvml()
+    host = nvml.init()
+    assert host.driver_version == "550.54.15"
+    assert host.cuda_version == "12.4"
+    info, reading = _read(nvml)
+    gpu = reading.gpu
+    assert info.uuid.startswith("GPU-")
+    assert info.memory_total_bytes == 80 * 1024**3
+    assert info.temperature_thresholds == {
+        "shutdown": 92.0,
+        "slowdown": 89.0,
+        "gpu_max": 87.0,
+        "memory_max": 95.0,
+    }
+    assert info.power_limit_watts == 700.0
+    assert info.ecc_enabled is True
+    assert gpu.memory_reserved_bytes == 1024**3
+    # v2 memory info: reserved memory is not counted as used
+    assert gpu.memory_used_bytes == 13 * 1024**3
+    assert gpu.memory_free_bytes == (80 - 1 - 13) * 1024**3
+    assert gpu.temperature_celsius == 61.0
+    assert gpu.power_watts == 300.0
+    assert gpu.utilization_ratio == 0.5
+    assert gpu.memory_utilization_ratio == 0.25
+    assert gpu.fan_speed_ratio == 0.4
+    assert gpu.clocks_hz["graphics"] == 1755e6
+    assert gpu.clock_events_active()["hw_power_brake_slowdown"] is True
+    assert gpu.clock_events_active()["hw_thermal_slowdown"] is False
+    assert dict(gpu.ecc_errors) == {"corrected": 3, "uncorrected": 1}
+    kinds = sorted((p.type, p.used_memory_bytes) for p in reading.processes)
+    assert kinds == [("compute", 2 * 1024**3), ("graphics", 1024**3)]
+    assert reading.errors == []
+
+
+@pytest.mark.parametrize(
+    ("missing", "expect_reserved", "process_call"),
+    [
+        ([], True, "nvmlDeviceGetComputeRunningProcesses_v3"),
+        (["nvmlDeviceGetMemoryInfo_v2"], False, "nvmlDeviceGetComputeRunningProcesses_v3"),
+        (
+            ["nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v3"],
+            True,
+            "nvmlDeviceGetComputeRunningProcesses_v2",
+        ),
+        (
+            [
+                "nvmlDeviceGetMemoryInfo_v2",
+                "nvmlDeviceGetComputeRunningProcesses_v3",
+                "nvmlDeviceGetGraphicsRunningProcesses_v3",
+                "nvmlDeviceGetCurrentClocksEventReasons",
+                "nvmlDeviceGetTemperatureV",
+                "nvmlSystemGetCudaDriverVersion_v2",
+            ],
+            False,
+            "nvmlDeviceGetComputeRunningProcesses_v2",
+        ),
+    ],
+    ids=["r550", "no-memory-v2", "no-process-v3", "old-driver"],
+)
+def test_driver_matrix_falls_back_and_stops_asking(
+    simulated, missing, expect_reserved, process_call
+):
+    driver = simulated(ONE_GPU + f"driver: {{missing_functions: {missing}}}\n")
+    nvml = Nvml()
+    host = nvml.init()
+    assert host.cuda_version == "12.4"
+    info, first = _read(nvml)
+    second = nvml.read_gpu(info)
+    for reading in (first, second):
+        gpu = reading.gpu
+        assert (gpu.memory_reserved_bytes is not None) is expect_reserved
+        # v1 counts reserved memory as used; either way used + free + reserved == total
+        reserved = gpu.memory_reserved_bytes or 0
+        assert gpu.memory_used_bytes + gpu.memory_free_bytes + reserved == info.memory_total_bytes
+        assert gpu.temperature_celsius == 61.0
+        assert gpu.clock_event_reasons is not None
+        assert len(reading.processes) == 2
+    assert driver.calls[process_call] == 2
+    for name in missing:  # each missing function was tried once, then remembered
+        assert driver.calls.get(name, 0) <= 1
+
+
+def test_unsupported_field_is_absent_and_not_retried(simulated):
+    driver = simulated(
+        ONE_GPU.replace(
+            "power_limit: 700",
+            "power_limit: 700\n    unsupported: [fan_speed, memory_temperature, ecc, serial]",
+        )
+    )
+    nvml = Nvml()
+    nvml.init()
+    info, first = _read(nvml)
+    for _ in range(3):
+        reading = nvml.read_gpu(info)
+        assert reading.gpu.fan_speed_ratio is None
+        assert reading.gpu.memory_temperature_celsius is None
+        assert reading.gpu.temperature_celsius == 61.0
+        assert reading.errors == []
+    assert info.serial == ""
+    assert info.ecc_enabled is None
+    assert dict(first.gpu.ecc_errors) == {}
+    assert driver.calls["nvmlDeviceGetFanSpeed"] == 1
+    assert driver.calls["nvmlDeviceGetFieldValues"] == 1
+
+
+def test_transient_field_error_is_reported_and_retried(simulated, clock):
+    driver = simulated(
+        ONE_GPU + "    errors: [{field: power, error: Timeout, from: 0s, until: 10s}]\n"
+    )
+    nvml = Nvml()
+    nvml.init()
+    info, reading = _read(nvml)
+    assert reading.gpu.power_watts is None
+    assert [(e.field, e.error) for e in reading.errors] == [("power", "Timeout")]
+    clock.advance(10)
+    reading = nvml.read_gpu(info)
+    assert reading.gpu.power_watts == 300.0
+    assert reading.errors == []
+    assert driver.calls["nvmlDeviceGetPowerUsage"] == 2
+
+
+@pytest.mark.parametrize("error", ["GpuIsLost", "Unknown", "ResetRequired"])
+def test_gpu_level_errors_fail_the_gpu(simulated, error):
+    simulated(ONE_GPU + f"    errors: [{{field: temperature, error: {error}}}]\n")
+    nvml = Nvml()
+    nvml.init()
+    info = nvml.read_info(0)
+    with pytest.raises(GpuFailed) as failed:
+        nvml.read_gpu(info)
+    assert failed.value.error == error
+
+
+def test_library_level_errors_make_nvml_unavailable(simulated, clock):
+    simulated(ONE_GPU + "    errors: [{field: memory, error: DriverNotLoaded, from: 1s}]\n")
+    nvml = Nvml()
+    nvml.init()
+    info = nvml.read_info(0)
+    clock.advance(1)
+    with pytest.raises(NvmlUnavailable) as failed:
+        nvml.read_gpu(info)
+    assert failed.value.error == "DriverNotLoaded"
+
+
+def test_init_failure_names_the_cause(simulated):
+    simulated("driver: {errors: [{field: init, error: DriverNotLoaded}]}\ngpus: [{}]\n")
+    with pytest.raises(NvmlUnavailable) as failed:
+        Nvml().init()
+    assert failed.value.error == "DriverNotLoaded"
+    assert "DriverNotLoaded" in str(failed.value)
+
+
+def test_calls_are_counted(simulated):
+    simulated(ONE_GPU)
+    nvml = Nvml()
+    nvml.init()
+    info = nvml.read_info(0)
+    before = nvml.calls
+    nvml.read_gpu(info)
+    assert 10 <= nvml.calls - before <= 20

@@ -1,0 +1,126 @@
+"""HTTPS and client-certificate authentication, with certificates the test makes."""
+
+from __future__ import annotations
+
+import shutil
+import ssl
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from exporter.collect import Collector
+from exporter.http import App, serve
+from exporter.nvml import Nvml
+from exporter.procfs import ProcFs
+from exporter.sampler import Sampler
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def _make_pki(tmp: Path) -> dict[str, str]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA."""
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=test-ca",
+        "-keyout",
+        str(tmp / "ca.key"),
+        "-out",
+        str(tmp / "ca.pem"),
+    )
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            str(tmp / f"{name}.key"),
+            "-out",
+            str(tmp / f"{name}.csr"),
+        )
+        (tmp / f"{name}.ext").write_text(ext + "\n")
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            str(tmp / f"{name}.csr"),
+            "-CA",
+            str(tmp / "ca.pem"),
+            "-CAkey",
+            str(tmp / "ca.key"),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            str(tmp / f"{name}.ext"),
+            "-out",
+            str(tmp / f"{name}.pem"),
+        )
+    return {p.stem + p.suffix: str(p) for p in tmp.iterdir()}
+
+
+@pytest.fixture
+def pki(tmp_path):
+    return _make_pki(tmp_path)
+
+
+def _start(simulated, **tls):
+    simulated("gpus: [{name: GPU A}]\n")
+    sampler = Sampler(Collector(Nvml(), ProcFs()), interval=1, deadline=1)
+    sampler.sample_once()
+    return serve(App(sampler), "127.0.0.1", 0, **tls)
+
+
+def _get(port: int, context: ssl.SSLContext) -> bytes:
+    with urllib.request.urlopen(
+        f"https://127.0.0.1:{port}/metrics", context=context, timeout=5
+    ) as r:
+        return r.read()
+
+
+def test_https(simulated, pki):
+    server = _start(simulated, cert_file=pki["server.pem"], key_file=pki["server.key"])
+    try:
+        context = ssl.create_default_context(cafile=pki["ca.pem"])
+        assert b"gpu_up" in _get(server.port, context)
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # plain HTTP on TLS
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5)
+    finally:
+        server.close()
+
+
+def test_client_certificate_required(simulated, pki):
+    server = _start(
+        simulated,
+        cert_file=pki["server.pem"],
+        key_file=pki["server.key"],
+        client_ca_file=pki["ca.pem"],
+    )
+    try:
+        anonymous = ssl.create_default_context(cafile=pki["ca.pem"])
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            _get(server.port, anonymous)
+        trusted = ssl.create_default_context(cafile=pki["ca.pem"])
+        trusted.load_cert_chain(pki["client.pem"], pki["client.key"])
+        assert b"gpu_up" in _get(server.port, trusted)
+    finally:
+        server.close()
