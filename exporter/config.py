@@ -248,5 +248,5 @@ def load_config(
 def _parse(setting: Setting, raw: Any, where: str) -> Any:
     try:
         return setting.parse(raw)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, ArithmeticError) as exc:
         raise ConfigError(where, "", str(exc)) from None

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 
 from exporter import __version__
-from exporter.snapshot import CLOCK_EVENT_REASONS, Gpu, Snapshot
+from exporter.snapshot import Gpu, Snapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 GPU_LABELS = ["gpu", "uuid"]
@@ -66,15 +66,44 @@ def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricF
     return GaugeMetricFamily(name, doc, labels=GPU_LABELS if labels is None else labels)
 
 
-def _per_gpu(
-    gpus: Iterable[Gpu], name: str, doc: str, value: Callable[[Gpu], float | None]
-) -> GaugeMetricFamily:
-    family = _gauge(name, doc)
+def _counter(name: str, doc: str, labels: list[str] | None = None) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, labels=GPU_LABELS if labels is None else labels)
+
+
+def _per_gpu(gpus: Iterable[Gpu], family: Metric, value: Callable[[Gpu], float | None]) -> Metric:
+    """One series per GPU; a GPU whose value is None has none."""
     for gpu in gpus:
         number = value(gpu)
         if number is not None and not math.isnan(number):
             family.add_metric([str(gpu.index), gpu.uuid], number)
     return family
+
+
+def _per_gpu_by(
+    gpus: Iterable[Gpu], family: Metric, values: Callable[[Gpu], Iterable[tuple[str, float]]]
+) -> Metric:
+    """One series per GPU and extra label value (clock, threshold, reason, type)."""
+    for gpu in gpus:
+        for label, value in values(gpu):
+            family.add_metric([str(gpu.index), gpu.uuid, label], value)
+    return family
+
+
+def _static(gpu: Gpu, attr: str) -> float | None:
+    return getattr(gpu.info, attr) if gpu.info is not None else None
+
+
+def _thresholds(gpu: Gpu) -> Iterable[tuple[str, float]]:
+    return sorted(gpu.info.temperature_thresholds.items()) if gpu.info is not None else ()
+
+
+def _clock_events(gpu: Gpu) -> Iterable[tuple[str, float]]:
+    active = gpu.clock_events_active() or {}
+    return ((name, 1.0 if on else 0.0) for name, on in active.items())
+
+
+def _process_count(gpu: Gpu) -> int | None:
+    return len({p.pid for p in gpu.processes}) if gpu.processes is not None else None
 
 
 def gpu_families(snapshot: Snapshot) -> list[Metric]:
@@ -100,147 +129,118 @@ def gpu_families(snapshot: Snapshot) -> list[Metric]:
                 1.0,
             )
     live = [gpu for gpu in snapshot.gpus if gpu.up]
-
-    def static(gpu: Gpu, attr: str) -> float | None:
-        return getattr(gpu.info, attr) if gpu.info is not None else None
-
-    families: list[Metric] = [
+    return [
         info,
         up,
         _per_gpu(
             live,
-            "gpu_memory_total_bytes",
-            "Total GPU memory.",
-            lambda g: static(g, "memory_total_bytes"),
+            _gauge("gpu_memory_total_bytes", "Total GPU memory."),
+            lambda g: _static(g, "memory_total_bytes"),
         ),
         _per_gpu(
             live,
-            "gpu_memory_used_bytes",
-            "GPU memory in use (without reserved memory where the driver has memory info v2).",
+            _gauge(
+                "gpu_memory_used_bytes",
+                "GPU memory in use (reserved memory not counted where the driver has v2 info).",
+            ),
             lambda g: g.memory_used_bytes,
         ),
-        _per_gpu(live, "gpu_memory_free_bytes", "Free GPU memory.", lambda g: g.memory_free_bytes),
+        _per_gpu(
+            live, _gauge("gpu_memory_free_bytes", "Free GPU memory."), lambda g: g.memory_free_bytes
+        ),
         _per_gpu(
             live,
-            "gpu_memory_reserved_bytes",
-            "GPU memory reserved by the driver and firmware (memory info v2).",
+            _gauge(
+                "gpu_memory_reserved_bytes",
+                "GPU memory reserved by the driver and firmware (memory info v2).",
+            ),
             lambda g: g.memory_reserved_bytes,
         ),
         _per_gpu(
             live,
-            "gpu_utilization_ratio",
-            "Fraction of the last sample period a kernel ran (0-1).",
+            _gauge(
+                "gpu_utilization_ratio", "Fraction of the last sample period a kernel ran (0-1)."
+            ),
             lambda g: g.utilization_ratio,
         ),
         _per_gpu(
             live,
-            "gpu_memory_utilization_ratio",
-            "Fraction of the last sample period device memory was read or written (0-1).",
+            _gauge(
+                "gpu_memory_utilization_ratio",
+                "Fraction of the last sample period device memory was read or written (0-1).",
+            ),
             lambda g: g.memory_utilization_ratio,
         ),
         _per_gpu(
             live,
-            "gpu_temperature_celsius",
-            "GPU core temperature.",
+            _gauge("gpu_temperature_celsius", "GPU core temperature."),
             lambda g: g.temperature_celsius,
         ),
         _per_gpu(
             live,
-            "gpu_memory_temperature_celsius",
-            "GPU memory (HBM) temperature.",
+            _gauge("gpu_memory_temperature_celsius", "GPU memory (HBM) temperature."),
             lambda g: g.memory_temperature_celsius,
         ),
-        _thresholds(live),
-        _per_gpu(live, "gpu_power_watts", "Power draw.", lambda g: g.power_watts),
-        _per_gpu(
+        _per_gpu_by(
             live,
-            "gpu_power_limit_watts",
-            "Enforced power limit.",
-            lambda g: static(g, "power_limit_watts"),
+            _gauge(
+                "gpu_temperature_threshold_celsius",
+                "The GPU's own temperature thresholds (slowdown, shutdown, gpu_max, memory_max).",
+                [*GPU_LABELS, "threshold"],
+            ),
+            _thresholds,
         ),
-        _energy(live),
+        _per_gpu(live, _gauge("gpu_power_watts", "Power draw."), lambda g: g.power_watts),
         _per_gpu(
             live,
-            "gpu_fan_speed_ratio",
-            "Fan speed, fraction of maximum.",
+            _gauge("gpu_power_limit_watts", "Enforced power limit."),
+            lambda g: _static(g, "power_limit_watts"),
+        ),
+        _per_gpu(
+            live,
+            _counter("gpu_energy_joules", "Energy consumed since the driver was loaded."),
+            lambda g: g.energy_joules,
+        ),
+        _per_gpu(
+            live,
+            _gauge("gpu_fan_speed_ratio", "Fan speed, fraction of maximum."),
             lambda g: g.fan_speed_ratio,
         ),
-        _clocks(live),
+        _per_gpu_by(
+            live,
+            _gauge("gpu_clock_hz", "Current clock frequency.", [*GPU_LABELS, "clock"]),
+            lambda g: g.clocks_hz.items(),
+        ),
         _per_gpu(
             live,
-            "gpu_performance_state",
-            "Performance state, 0 (maximum) to 15 (minimum).",
+            _gauge("gpu_performance_state", "Performance state, 0 (maximum) to 15 (minimum)."),
             lambda g: g.performance_state,
         ),
-        _clock_events(live),
-        _ecc(live),
+        _per_gpu_by(
+            live,
+            _gauge(
+                "gpu_clock_event_active",
+                "1 while this clock-event (throttle) reason holds clocks down, else 0.",
+                [*GPU_LABELS, "reason"],
+            ),
+            _clock_events,
+        ),
+        _per_gpu_by(
+            live,
+            _counter(
+                "gpu_ecc_errors",
+                "ECC errors since the driver was loaded (volatile counters), where ECC is on.",
+                [*GPU_LABELS, "type"],
+            ),
+            lambda g: sorted(g.ecc_errors.items()),
+        ),
         _per_gpu(
             live,
-            "gpu_processes",
-            "Processes NVML lists on the GPU (compute and graphics).",
-            lambda g: len({p.pid for p in g.processes}) if g.processes is not None else None,
+            _gauge("gpu_processes", "Processes NVML lists on the GPU (compute and graphics)."),
+            _process_count,
         ),
         _process_memory(live),
     ]
-    return families
-
-
-def _thresholds(gpus: list[Gpu]) -> GaugeMetricFamily:
-    family = _gauge(
-        "gpu_temperature_threshold_celsius",
-        "The GPU's own temperature thresholds (slowdown, shutdown, gpu_max, memory_max).",
-        [*GPU_LABELS, "threshold"],
-    )
-    for gpu in gpus:
-        if gpu.info is not None:
-            for name, value in sorted(gpu.info.temperature_thresholds.items()):
-                family.add_metric([str(gpu.index), gpu.uuid, name], value)
-    return family
-
-
-def _energy(gpus: list[Gpu]) -> CounterMetricFamily:
-    family = CounterMetricFamily(
-        "gpu_energy_joules", "Energy consumed since the driver was loaded.", labels=GPU_LABELS
-    )
-    for gpu in gpus:
-        if gpu.energy_joules is not None:
-            family.add_metric([str(gpu.index), gpu.uuid], gpu.energy_joules)
-    return family
-
-
-def _clocks(gpus: list[Gpu]) -> GaugeMetricFamily:
-    family = _gauge("gpu_clock_hz", "Current clock frequency.", [*GPU_LABELS, "clock"])
-    for gpu in gpus:
-        for name, value in gpu.clocks_hz.items():
-            family.add_metric([str(gpu.index), gpu.uuid, name], value)
-    return family
-
-
-def _clock_events(gpus: list[Gpu]) -> GaugeMetricFamily:
-    family = _gauge(
-        "gpu_clock_event_active",
-        "1 while this clock-event (throttle) reason holds clocks down, else 0.",
-        [*GPU_LABELS, "reason"],
-    )
-    for gpu in gpus:
-        if gpu.clock_event_reasons is None:
-            continue
-        for name, bit in CLOCK_EVENT_REASONS:
-            active = 1.0 if gpu.clock_event_reasons & bit else 0.0
-            family.add_metric([str(gpu.index), gpu.uuid, name], active)
-    return family
-
-
-def _ecc(gpus: list[Gpu]) -> CounterMetricFamily:
-    family = CounterMetricFamily(
-        "gpu_ecc_errors",
-        "ECC errors since the driver was loaded (volatile counters), where ECC is on.",
-        labels=[*GPU_LABELS, "type"],
-    )
-    for gpu in gpus:
-        for kind, count in sorted(gpu.ecc_errors.items()):
-            family.add_metric([str(gpu.index), gpu.uuid, kind], count)
-    return family
 
 
 def _process_memory(gpus: list[Gpu]) -> GaugeMetricFamily:
@@ -303,7 +303,8 @@ def self_families(snapshot: Snapshot, stats: SelfStats) -> list[Metric]:
 
 def render(snapshot: Snapshot, stats: SelfStats) -> bytes:
     """The exposition text of one Snapshot and the agent's counters."""
-    return generate_latest(_Families([*gpu_families(snapshot), *self_families(snapshot, stats)]))
+    families = [*gpu_families(snapshot), *self_families(snapshot, stats)]
+    return generate_latest(_Families(f for f in families if f.samples))
 
 
 def render_liveness(age_seconds: float | None, stale: bool) -> bytes:

@@ -125,7 +125,9 @@ class Sampler:
             try:
                 self.sample_once()
                 self._failing = False
-            except Exception:  # a bug must not end sampling; say it once per episode
+            except Exception as exc:  # a bug must not end sampling; say it once per episode
+                key = ("sampler", type(exc).__name__)
+                self.stats.errors_total[key] = self.stats.errors_total.get(key, 0) + 1
                 if not self._failing:
                     log.exception("sample failed; will try again next interval")
                 self._failing = True

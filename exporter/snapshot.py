@@ -145,11 +145,6 @@ class Snapshot:
         """A JSON-ready dict of the whole Snapshot."""
         return _jsonable(self)
 
-    @property
-    def processes(self) -> tuple[tuple[Gpu, GpuProcess], ...]:
-        """Every (GPU, process) pair in this Snapshot."""
-        return tuple((gpu, proc) for gpu in self.gpus for proc in gpu.processes or ())
-
 
 def _jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

@@ -28,6 +28,13 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 def parse_duration(value: object) -> float:
     """Seconds from a number (seconds) or a string like ``500ms``, ``30s``, ``5m``, ``1h30m``."""
+    try:
+        return _parse_duration(value)
+    except OverflowError:
+        raise ValueError(f"duration is too large: {str(value)[:20]}...") from None
+
+
+def _parse_duration(value: object) -> float:
     if isinstance(value, bool):
         raise ValueError(f"expected a duration like 5s or 500ms, got {value!r}")
     if isinstance(value, (int, float)):
@@ -56,6 +63,13 @@ def parse_duration(value: object) -> float:
 
 def parse_size(value: object) -> int:
     """Bytes from an integer or a string like ``512MiB``, ``4GiB``, ``80GB``."""
+    try:
+        return _parse_size(value)
+    except OverflowError:
+        raise ValueError(f"size is too large: {str(value)[:20]}...") from None
+
+
+def _parse_size(value: object) -> int:
     if isinstance(value, bool):
         raise ValueError(f"expected a size like 4GiB or 512MiB, got {value!r}")
     if isinstance(value, int):

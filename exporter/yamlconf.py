@@ -128,7 +128,7 @@ class Section:
             return parse(self.data[key])
         except ConfigError:
             raise
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, ArithmeticError) as exc:
             raise self.error(key, str(exc)) from None
 
     def section(self, key: str, required: bool = False) -> Section:

@@ -8,7 +8,10 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+
+import pytest
 
 from exporter.sampler import Sampler
 
@@ -60,46 +63,78 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _start_agent(*args: str) -> tuple[subprocess.Popen, int]:
+    port = _free_port()
+    argv = [sys.executable, "-m", "exporter", "serve", "--listen", f"127.0.0.1:{port}", *args]
+    return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True), port
+
+
+def _healthz_until(port: int, wanted: bytes, timeout: float = 10) -> tuple[int, bytes]:
+    """Poll /healthz until its body starts with ``wanted``; returns (status, body)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+                status, body = r.status, r.read()
+        except urllib.error.HTTPError as exc:
+            status, body = exc.code, exc.read()
+        except OSError:
+            status, body = 0, b""
+        if body.startswith(wanted):
+            return status, body
+        assert time.monotonic() < deadline, f"/healthz never said {wanted!r}; last: {body!r}"
+        time.sleep(0.1)
+
+
+def _stop(agent: subprocess.Popen) -> str:
+    agent.kill()
+    agent.wait()
+    return agent.stderr.read()
+
+
 def test_sigterm_while_nvml_hangs_exits_0_within_2s(tmp_path):
     scenario = tmp_path / "hang.yaml"
     scenario.write_text("gpus:\n  - errors: [{field: power, hang: 60s, from: 0.5s}]\n")
-    port = _free_port()
-    agent = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "exporter",
-            "serve",
-            "--simulate",
-            str(scenario),
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--interval",
-            "0.2",
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    agent, port = _start_agent("--simulate", str(scenario), "--interval", "0.2")
     try:
-        deadline = time.monotonic() + 10
-        while True:  # wait until the agent is stale: the hang has begun
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
-            except urllib.error.HTTPError as exc:
-                if exc.code == 503 and b"stale" in exc.read():
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "agent never became stale"
-            time.sleep(0.1)
+        assert _healthz_until(port, b"stale")[0] == 503  # the hang has begun
         started = time.monotonic()
         os.kill(agent.pid, signal.SIGTERM)
         code = agent.wait(timeout=5)
         elapsed = time.monotonic() - started
     finally:
-        agent.kill()
-        agent.wait()
-        stderr = agent.stderr.read()
+        stderr = _stop(agent)
     assert code == 0 and elapsed < 2.0, (code, elapsed, stderr)
     assert "Traceback" not in stderr
     assert "not calling nvmlShutdown" in stderr
+
+
+def _real_nvml_works() -> bool:
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    pynvml.nvmlShutdown()
+    return True
+
+
+@pytest.mark.skipif(_real_nvml_works(), reason="a real NVIDIA driver answers here")
+def test_serve_without_a_driver_stays_up_and_reports_nvml_down():
+    agent, port = _start_agent("--interval", "0.1")
+    try:
+        status, _ = _healthz_until(port, b"NVML down: LibraryNotFound")
+        assert status == 503
+        time.sleep(1.6)  # retried at 0 s and 1 s (backoff 1 s, then 2 s)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            body = response.read().decode()
+        assert "gpu_exporter_nvml_up 0.0" in body
+        assert 'gpu_exporter_sample_errors_total{error="LibraryNotFound",source="init"} 2.0' in body
+        assert "gpu_up" not in body
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=3) == 0
+    finally:
+        stderr = _stop(agent)
+    assert stderr.count("NVML unavailable") == 1, stderr
+    assert "Traceback" not in stderr
