@@ -115,7 +115,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from exporter.status import format_status
 
     config = _config(args)
-    _setup_logging("critical" if not args.json else "error")
+    _setup_logging("critical")  # status reports failures itself, in one line
     with _simulation(config):
         collector = Collector(Nvml(), ProcFs(config.proc_root))
         try:

@@ -43,7 +43,8 @@ class Collector:
         self._nvml_error = ""
         self._host = HostInfo(hostname=socket.gethostname())
         self._infos: dict[int, GpuInfo] = {}
-        self._known_uuids: dict[int, str] = {}
+        self._last_known: dict[int, GpuInfo] = {}  # identity for labels while a GPU is down
+        self._count: int | None = None
         self._seq = 0
 
     def sample(self) -> Snapshot:
@@ -105,7 +106,7 @@ class Collector:
 
     def _down(self, exc: NvmlUnavailable, errors: list[SampleError], now: float) -> None:
         message = str(exc)
-        errors.append(SampleError("init", exc.error, message=message))
+        errors.append(SampleError("nvml", exc.error, message=message))
         if message != self._nvml_error:
             log.error(
                 "NVML unavailable: %s; retrying with backoff (at most every %.0fs)",
@@ -122,8 +123,10 @@ class Collector:
 
     def _sample_gpus(self, errors: list[SampleError]) -> tuple[Gpu, ...]:
         count = self.nvml.device_count()
-        if set(self._infos) - set(range(count)):
-            self._infos.clear()  # GPUs went away: indices may now name other GPUs
+        if count != self._count:  # GPUs came or went: indices may now name other GPUs
+            self._infos.clear()
+            self._last_known.clear()
+            self._count = count
         seen: dict[int, ProcessInfo | None] = {}  # procfs is read once per pid per sample
         return tuple(self._sample_gpu(index, errors, seen) for index in range(count))
 
@@ -134,21 +137,23 @@ class Collector:
         try:
             if info is None:
                 info = self.nvml.read_info(index)
-                if self._known_uuids.get(index) not in (None, info.uuid):
-                    log.warning("GPU %d is now %s", index, info.uuid)
-                self._infos[index] = info
-                self._known_uuids[index] = info.uuid
+                known = self._last_known.get(index)
+                if known is not None and known.uuid != info.uuid:
+                    log.warning("GPU %d is now %s (was %s)", index, info.uuid, known.uuid)
+                self._infos[index] = self._last_known[index] = info
             reading = self.nvml.read_gpu(info)
         except GpuFailed as exc:
-            was_up = self._infos.pop(index, None) is not None
-            if was_up:
-                log.error("GPU %d (%s) failed: %s", index, self._known_uuids.get(index, "?"), exc)
+            if self._infos.pop(index, None) is not None:
+                log.error("GPU %d (%s) failed: %s", index, info.uuid if info else "?", exc)
             errors.append(SampleError("gpu", exc.error, index, message=str(exc)))
+            known = self._last_known.get(index)
+            if exc.uuid and known is not None and known.uuid != exc.uuid:
+                known = None  # another GPU now answers at this index
             return Gpu(
                 index=index,
-                uuid=self._known_uuids.get(index, ""),
+                uuid=exc.uuid or (known.uuid if known else ""),
                 up=False,
-                info=info,
+                info=known,
                 error=str(exc),
             )
         errors.extend(reading.errors)

@@ -94,6 +94,9 @@ def _simulate(value: Any) -> str | None:
     path = str(value)
     if not os.path.isfile(path):
         raise ValueError(f"scenario file {path!r} does not exist")
+    from exporter.simulate import load_scenario  # only configs that simulate pay for it
+
+    load_scenario(path)  # a broken scenario fails check-config too, with its own file:line
     return path
 
 
@@ -189,17 +192,20 @@ SETTINGS: tuple[Setting, ...] = (
 BY_KEY = {setting.key: setting for setting in SETTINGS}
 
 
-def _from_file(path: str) -> dict[str, Any]:
-    root = load_document(path).root()
+def _from_file(path: str) -> dict[str, tuple[Any, str]]:
+    """Each setting the file sets: (value, file:line)."""
+    doc = load_document(path)
+    root = doc.root()
     sections: dict[str, Section] = {"": root}
-    values: dict[str, Any] = {}
+    values: dict[str, tuple[Any, str]] = {}
     for setting in SETTINGS:
         prefix, _, name = setting.key.rpartition(".")
         if prefix not in sections:
             sections[prefix] = root.section(prefix)
         section = sections[prefix]
         if section.has(name):
-            values[setting.key] = section.get(name, setting.parse)
+            where = doc.where((*section.keys, name))
+            values[setting.key] = (section.get(name, setting.parse), where)
         else:
             section.get(name, str, None)  # known, absent
     for section in sections.values():
@@ -216,21 +222,27 @@ def load_config(
     environ = os.environ if environ is None else environ
     flags = flags or {}
     values = {s.key: s.parse(s.default) if s.default is not None else None for s in SETTINGS}
+    origin = {s.key: "default" for s in SETTINGS}  # where each value came from, for errors
     if path:
-        values.update(_from_file(path))
+        for key, (value, where) in _from_file(path).items():
+            values[key], origin[key] = value, where
     for setting in SETTINGS:
         if setting.env in environ:
-            values[setting.key] = _parse(
-                setting, environ[setting.env], f"environment variable {setting.env}"
-            )
+            origin[setting.key] = f"environment variable {setting.env}"
+            values[setting.key] = _parse(setting, environ[setting.env], origin[setting.key])
     for setting in SETTINGS:
         if flags.get(setting.key) is not None:
-            values[setting.key] = _parse(setting, flags[setting.key], f"flag {setting.flag}")
-    where = path or "settings"
-    if bool(values["tls.cert_file"]) != bool(values["tls.key_file"]):
-        raise ConfigError(where, "tls", "cert_file and key_file go together: set both or neither")
-    if values["tls.client_ca_file"] and not values["tls.cert_file"]:
-        raise ConfigError(where, "tls.client_ca_file", "needs tls.cert_file and tls.key_file")
+            origin[setting.key] = f"flag {setting.flag}"
+            values[setting.key] = _parse(setting, flags[setting.key], origin[setting.key])
+    for given, needed in (
+        ("tls.cert_file", "tls.key_file"),
+        ("tls.key_file", "tls.cert_file"),
+        ("tls.client_ca_file", "tls.cert_file"),
+    ):
+        if values[given] and not values[needed]:
+            raise ConfigError(
+                origin[given], given, f"needs {needed} too (flag {BY_KEY[needed].flag})"
+            )
     return Config(
         listen=values["listen"],
         interval=values["interval"],

@@ -293,7 +293,7 @@ def self_families(snapshot: Snapshot, stats: SelfStats) -> list[Metric]:
     deadline.add_metric([], stats.deadline_exceeded_total)
     errors = CounterMetricFamily(
         "gpu_exporter_sample_errors",
-        "Errors met while sampling, by source (init, gpu, field, procfs) and error name.",
+        "Errors met while sampling, by source (nvml, gpu, field, sampler) and error name.",
         labels=["source", "error"],
     )
     for (source, error), count in sorted(stats.errors_total.items()):

@@ -72,9 +72,10 @@ class NvmlUnavailable(Exception):
 class GpuFailed(Exception):
     """One GPU failed (lost, needs a reset, unknown error); the other GPUs are unaffected."""
 
-    def __init__(self, error: str, message: str) -> None:
+    def __init__(self, error: str, message: str, uuid: str = "") -> None:
         super().__init__(message)
         self.error = error
+        self.uuid = uuid  # when the failure came after the UUID was read
 
 
 class Call(NamedTuple):
@@ -255,8 +256,15 @@ class Nvml:
         self._unsupported = {key for key in self._unsupported if key[0] != index}
         handle = self._required("nvmlDeviceGetHandleByIndex", index)
         self._handles[index] = handle
-        errors: list[SampleError] = []
         uuid = _text(self._required("nvmlDeviceGetUUID", handle))
+        try:
+            return self._read_static(index, handle, uuid)
+        except GpuFailed as exc:
+            exc.uuid = uuid
+            raise
+
+    def _read_static(self, index: int, handle: Any, uuid: str) -> GpuInfo:
+        errors: list[SampleError] = []
         thresholds = {}
         for name, const, fallback in _THRESHOLDS:
             value = self._read(

@@ -27,7 +27,7 @@ import pynvml
 
 from exporter.snapshot import CLOCK_EVENT_REASONS
 from exporter.units import parse_duration, parse_size
-from exporter.yamlconf import Section, load_document, parse_document
+from exporter.yamlconf import ConfigError, Section, load_document, parse_document
 
 #: Fields a scenario can mark unsupported or inject errors into, and the functions behind them.
 FIELD_FUNCTIONS: dict[str, tuple[str, ...]] = {
@@ -106,6 +106,8 @@ def _value(number: Callable[[Any], float]) -> Callable[[Any], Value]:
         if "from" in raw or "to" in raw:
             if "from" not in raw or "to" not in raw:
                 raise ValueError("a ramp needs both 'from' and 'to'")
+            if "base" in raw:
+                raise ValueError("give 'from'/'to' (a ramp) or 'base' (a wave), not both")
             base = number(raw["from"])
             to: float | None = number(raw["to"])
         else:
@@ -135,6 +137,23 @@ def _ratio(raw: Any) -> float:
     if not 0 <= value <= 1:
         raise ValueError(f"expected a ratio from 0 to 1, got {raw!r}")
     return value
+
+
+def _boolean(raw: Any) -> bool:
+    if not isinstance(raw, bool):
+        raise ValueError(f"expected true or false, got {raw!r}")
+    return raw
+
+
+def _whole(raw: Any) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+        raise ValueError(f"expected a whole number, got {raw!r}")
+    return raw
+
+
+def _percent(ratio: float) -> int:
+    """A ratio as NVML's whole percent; waves may overshoot 0-1, NVML never does."""
+    return round(min(max(ratio, 0.0), 1.0) * 100)
 
 
 _SIZE_VALUE = _value(lambda raw: float(parse_size(raw)))
@@ -173,6 +192,7 @@ class SimProcess:
     memory: Value
     type: str
     window: Window
+    where: str = ""  # file:line, for errors while starting it
 
 
 @dataclass(frozen=True)
@@ -277,6 +297,7 @@ def _process(section: Section) -> SimProcess:
         memory=section.get("memory", _SIZE_VALUE, Value(0.0)),
         type=section.get("type", kind, "compute"),
         window=_window(section),
+        where=section.doc.where(section.keys),
     )
     if (process.pid is None) == (not process.spawn):
         raise section.error(None, "give exactly one of pid and spawn")
@@ -316,7 +337,7 @@ def _gpu(section: Section, index: int) -> SimGpu:
     }
     clocks_section.done()
     ecc_section = section.section("ecc")
-    ecc_enabled = ecc_section.get("enabled", bool, True)
+    ecc_enabled = ecc_section.get("enabled", _boolean, True)
     ecc_corrected = ecc_section.get("corrected", _NUMBER_VALUE, Value(0.0))
     ecc_uncorrected = ecc_section.get("uncorrected", _NUMBER_VALUE, Value(0.0))
     ecc_section.done()
@@ -328,7 +349,7 @@ def _gpu(section: Section, index: int) -> SimGpu:
         uuid=section.get("uuid", str, default_uuid),
         pci_bus_id=section.get("pci_bus_id", str, f"00000000:{0x17 + index * 0x10:02X}:00.0"),
         serial=section.get("serial", str, f"1654{index:09d}"),
-        minor_number=section.get("minor_number", int, index),
+        minor_number=section.get("minor_number", _whole, index),
         memory_total=section.get("memory_total", parse_size, 80 * 1024**3),
         memory_reserved=section.get("memory_reserved", parse_size, 512 * 1024**2),
         memory_used=section.get("memory_used", _SIZE_VALUE, Value(0.0)),
@@ -341,7 +362,7 @@ def _gpu(section: Section, index: int) -> SimGpu:
         power_limit=section.get("power_limit", _number, 700.0),
         fan_speed=section.get("fan_speed", _RATIO_VALUE, Value(0.3)),
         clocks=clocks,
-        performance_state=section.get("performance_state", int, 0),
+        performance_state=section.get("performance_state", _whole, 0),
         clock_event_reasons=section.get("clock_event_reasons", reasons, 0),
         ecc_enabled=ecc_enabled,
         ecc_corrected=ecc_corrected,
@@ -490,24 +511,33 @@ class SimulatedDriver:
         for g, gpu in enumerate(self.scenario.gpus):
             for p, proc in enumerate(gpu.processes):
                 if proc.spawn:
-                    argv = list(proc.spawn)
-                    if argv[0] in ("python", "python3"):  # the interpreter running the agent
-                        argv[0] = sys.executable
-                    child = subprocess.Popen(
-                        argv,
-                        stdin=subprocess.DEVNULL,
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                        preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,
-                    )
-                    self._children.append(child)
-                    self._pids[(g, p)] = child.pid
+                    self._pids[(g, p)] = self._start(proc, f"gpus[{g}].processes[{p}].spawn")
                 elif proc.pid == "self":
                     self._pids[(g, p)] = os.getpid()
                 elif proc.pid == "parent":
                     self._pids[(g, p)] = os.getppid()
                 else:
                     self._pids[(g, p)] = int(proc.pid)  # type: ignore[arg-type]
+
+    def _start(self, proc: SimProcess, key: str) -> int:
+        argv = list(proc.spawn)
+        if argv[0] in ("python", "python3"):  # the interpreter running the agent
+            argv[0] = sys.executable
+        try:
+            child = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,
+            )
+        except OSError as exc:
+            self.uninstall()  # put pynvml back and stop what already started
+            raise ConfigError(
+                proc.where or "scenario", key, f"cannot start {argv[0]!r}: {exc.strerror or exc}"
+            ) from None
+        self._children.append(child)
+        return child.pid
 
     def _missing(self, name: str) -> Callable[..., Any]:
         def missing(*args: Any, **kwargs: Any) -> Any:
@@ -601,8 +631,8 @@ class SimulatedDriver:
 
         def utilization(h: _Handle) -> Any:
             out = pynvml.c_nvmlUtilization_t()
-            out.gpu = round(at(h.gpu.utilization) * 100)
-            out.memory = round(at(h.gpu.memory_utilization) * 100)
+            out.gpu = _percent(at(h.gpu.utilization))
+            out.memory = _percent(at(h.gpu.memory_utilization))
             return out
 
         def temperature(h: _Handle, sensor: int, version: int | None = None) -> int:
@@ -635,7 +665,7 @@ class SimulatedDriver:
         def reasons(h: _Handle) -> int:
             bits = h.gpu.clock_event_reasons
             slowdown = h.gpu.thresholds.get("slowdown")
-            if slowdown is not None and at(h.gpu.temperature) >= slowdown:
+            if slowdown is not None and temperature(h, 0) >= slowdown:
                 bits |= _REASON_BITS["sw_thermal_slowdown"]
             return bits
 
@@ -696,7 +726,7 @@ class SimulatedDriver:
             "nvmlDeviceGetFieldValues": field_values,
             "nvmlDeviceGetPowerUsage": power,
             "nvmlDeviceGetTotalEnergyConsumption": energy,
-            "nvmlDeviceGetFanSpeed": lambda h: round(at(h.gpu.fan_speed) * 100),
+            "nvmlDeviceGetFanSpeed": lambda h: _percent(at(h.gpu.fan_speed)),
             "nvmlDeviceGetClockInfo": clock,
             "nvmlDeviceGetPerformanceState": lambda h: h.gpu.performance_state,
             "nvmlDeviceGetCurrentClocksEventReasons": reasons,

@@ -119,7 +119,7 @@ class Gpu:
 class SampleError:
     """Something that failed in a sample: where (``source``), on which GPU, and the error name."""
 
-    source: str  # "init", "gpu", "field", "procfs"
+    source: str  # "nvml" (init or library-wide loss), "gpu" (one GPU failed), "field"
     error: str  # NVML error class name without the NVMLError_ prefix, or an OS error name
     gpu: int | None = None
     field: str = ""

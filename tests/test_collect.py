@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from exporter.collect import Collector
 from exporter.nvml import Nvml
 from exporter.procfs import ProcFs
@@ -164,3 +166,36 @@ def test_gpu_count_change_rereads_identities(simulated, collector, clock):
     after = collector.sample()
     assert [(g.index, g.info.name) for g in after.gpus] == [(0, "GPU A"), (1, "GPU C")]
     assert all(g.up for g in after.gpus)
+
+
+@pytest.mark.parametrize("fails_at", ["10s", "20s"])
+def test_failed_gpu_after_renumbering_does_not_borrow_another_uuid(
+    simulated, collector, clock, fails_at
+):
+    simulated(
+        f"""
+        gpus:
+          - {{name: GPU A}}
+          - {{name: GPU B, present: {{until: 10s}}}}
+          - {{name: GPU C}}
+          - name: GPU D
+            errors: [{{field: "*", error: GpuIsLost, from: {fails_at}}}]
+        """
+    )
+    uuids = {g.info.name: g.uuid for g in collector.sample().gpus}
+    clock.advance(10)
+    collector.sample()  # B left: C is now index 1, D index 2
+    clock.advance(10)
+    after = collector.sample()
+    assert [(g.index, g.up) for g in after.gpus] == [(0, True), (1, True), (2, False)]
+    assert after.gpus[1].uuid == uuids["GPU C"]
+    if fails_at == "20s":  # seen at its new index before it failed: identity kept
+        assert after.gpus[2].uuid == uuids["GPU D"] and after.gpus[2].info.name == "GPU D"
+    else:  # failed at the renumbering itself: unknown, never GPU C's
+        assert after.gpus[2].uuid == "" and after.gpus[2].info is None
+
+
+def test_gpu_failing_after_its_uuid_was_read_is_labelled(simulated, collector):
+    simulated("gpus: [{name: GPU A, errors: [{field: name, error: GpuIsLost}]}]\n")
+    gpu = collector.sample().gpus[0]
+    assert not gpu.up and gpu.uuid.startswith("GPU-")

@@ -109,7 +109,9 @@ def test_failed_gpu_keeps_identity_and_up_zero_only(simulated, collector, clock)
     simulated(SCENARIO)
     collector.sample()
     clock.advance(20)
-    snap = collector.sample()
+    collector.sample()
+    clock.advance(5)
+    snap = collector.sample()  # still lost: identity is kept from before
     stats = SelfStats(5)
     stats.count(snap, 5)
     found = samples(render(snap, stats))
@@ -125,6 +127,7 @@ def test_failed_gpu_keeps_identity_and_up_zero_only(simulated, collector, clock)
             assert all(s.labels.get("gpu") != "1" for s in series), name
     assert one(found, "gpu_up", gpu="0") == 1
     assert one(found, "gpu_exporter_sample_errors_total", source="gpu", error="GpuIsLost") == 1
+    assert one(found, "gpu_info", gpu="1")  # identity survives every sample while it is down
 
 
 def test_nvml_down_exports_only_self_metrics(simulated, collector):

@@ -130,7 +130,7 @@ def test_serve_without_a_driver_stays_up_and_reports_nvml_down():
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
             body = response.read().decode()
         assert "gpu_exporter_nvml_up 0.0" in body
-        assert 'gpu_exporter_sample_errors_total{error="LibraryNotFound",source="init"} 2.0' in body
+        assert 'gpu_exporter_sample_errors_total{error="LibraryNotFound",source="nvml"} 2.0' in body
         assert "gpu_up" not in body
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=3) == 0

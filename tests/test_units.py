@@ -1,0 +1,153 @@
+"""Durations, sizes and byte formatting: the units every flag, config key and scenario uses."""
+
+from __future__ import annotations
+
+import pytest
+
+from exporter.units import format_bytes, parse_duration, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("500ms", 0.5),
+        ("30s", 30.0),
+        ("5m", 300.0),
+        ("1h30m", 5400.0),
+        ("1h", 3600.0),
+        ("1m30s", 90.0),
+        ("2d", 172800.0),
+        ("250us", 0.00025),
+        ("1.5s", 1.5),
+        ("0s", 0.0),
+        (" 30s ", 30.0),
+        (2, 2.0),
+        (0, 0.0),
+        (0.25, 0.25),
+        ("2.5", 2.5),
+        ("10", 10.0),
+    ],
+)
+def test_parse_duration_accepts(text: object, seconds: float) -> None:
+    result = parse_duration(text)
+    assert isinstance(result, float)
+    assert result == pytest.approx(seconds)
+
+
+def test_parse_duration_ms_is_not_minutes() -> None:
+    # "ms" must win over "m" followed by a stray "s": 5ms is 5 thousandths, not 5 minutes.
+    assert parse_duration("5ms") == pytest.approx(0.005)
+    assert parse_duration("5m5s") == pytest.approx(305.0)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "abc",
+        "5x",
+        "-1",
+        "-1s",
+        True,
+        False,
+        "",
+        "   ",
+        "1m5",
+        "s",
+        "5 s",
+        "5S",
+        "nan",
+        "inf",
+        float("nan"),
+        float("inf"),
+        -1,
+        -0.5,
+        None,
+        [5],
+        {"s": 5},
+    ],
+)
+def test_parse_duration_rejects(bad: object) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(bad)
+
+
+def test_parse_duration_error_names_the_value() -> None:
+    with pytest.raises(ValueError, match="5x"):
+        parse_duration("5x")
+
+
+@pytest.mark.parametrize("huge", [10**400, "1" + "0" * 400, "1" + "0" * 305 + "d"])
+def test_parse_duration_huge_is_a_value_error(huge: object) -> None:
+    # float(10**400) raises OverflowError: it must come out as the ValueError validators catch.
+    with pytest.raises(ValueError):
+        parse_duration(huge)
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("512MiB", 512 * 1024**2),
+        ("4GiB", 4 * 1024**3),
+        ("80GB", 80 * 1000**3),
+        ("80gb", 80 * 1000**3),
+        ("1.5GiB", 3 * 1024**3 // 2),
+        ("4 GiB", 4 * 1024**3),
+        ("2KiB", 2048),
+        ("2k", 2000),
+        ("1TiB", 1024**4),
+        ("100B", 100),
+        ("100", 100),
+        (1024, 1024),
+        (0, 0),
+    ],
+)
+def test_parse_size_accepts(text: object, size: int) -> None:
+    result = parse_size(text)
+    assert isinstance(result, int)
+    assert result == size
+
+
+@pytest.mark.parametrize(
+    "bad", ["4 XB", "-1", "GiB", "", "abc", "4GiBs", "1e3", True, None, -1, float("inf"), [4]]
+)
+def test_parse_size_rejects(bad: object) -> None:
+    with pytest.raises(ValueError):
+        parse_size(bad)
+
+
+def test_parse_size_unknown_unit_is_named() -> None:
+    with pytest.raises(ValueError, match="XB"):
+        parse_size("4 XB")
+
+
+@pytest.mark.parametrize("huge", [10**400, "1" + "0" * 400, "1" + "0" * 300 + "TiB"])
+def test_parse_size_huge_is_a_value_error(huge: object) -> None:
+    # Each overflows a float somewhere (the number, or the number times the unit).
+    with pytest.raises(ValueError):
+        parse_size(huge)
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (None, "-"),
+        (0, "0B"),
+        (1, "1B"),
+        (1023, "1023B"),
+        (1024, "1.0KiB"),
+        (1536, "1.5KiB"),
+        (512 * 1024**2, "512.0MiB"),
+        (80 * 1024**3, "80.0GiB"),
+        (61 * 1024**3 + 512 * 1024**2, "61.5GiB"),
+        (2 * 1024**4, "2.0TiB"),
+        (1024**5, "1024.0TiB"),
+        (-2048, "-2.0KiB"),
+    ],
+)
+def test_format_bytes(value: float | None, text: str) -> None:
+    assert format_bytes(value) == text
+
+
+def test_format_bytes_round_trips_parse_size() -> None:
+    assert format_bytes(parse_size("4GiB")) == "4.0GiB"
+    assert format_bytes(parse_size("537MiB")) == "537.0MiB"
