@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
@@ -25,7 +26,7 @@ from exporter.yamlconf import ConfigError
 
 log = logging.getLogger("exporter")
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
-_SERVE_ONLY = {"listen", "interval", "deadline", "log_level", "history"} | {
+_SERVE_ONLY = {"listen", "interval", "deadline", "log_level", "history", "paths.dev"} | {
     s.key for s in SETTINGS if s.key.startswith("tls.")
 }
 
@@ -138,28 +139,34 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Sample and serve until SIGTERM or SIGINT."""
+    """Sample and serve until SIGTERM or SIGINT; SIGHUP reloads the config."""
+    from exporter.actions.scheduler import ActionEngine
     from exporter.http import App, serve
     from exporter.sampler import Sampler
 
     config = _config(args)
     _setup_logging(config.log_level)
-    stop = threading.Event()
+    stop, reload = threading.Event(), threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
+        if signum == signal.SIGHUP:
+            reload.set()
+            return
         log.info("received %s, stopping", signal.Signals(signum).name)
         stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
     with _simulation(config) as driver:
-        collector = Collector(Nvml(), ProcFs(config.proc_root))
+        procfs = ProcFs(config.proc_root)
+        collector = Collector(Nvml(), procfs)
         sampler = Sampler(
             collector, interval=config.interval, deadline=config.deadline, history=config.history
         )
+        engine = ActionEngine(sampler, config.actions, procfs, config.dev_root)
         try:
             server = serve(
-                App(sampler),
+                App(sampler, engine),
                 config.listen.host,
                 config.listen.port,
                 cert_file=config.tls_cert_file,
@@ -173,6 +180,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
             return EXIT_FAILURE
         sampler.start()
+        engine.start()
         scheme = "https" if config.tls_cert_file else "http"
         log.info(
             "serving on %s://%s (interval %gs%s)",
@@ -181,14 +189,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
             config.interval,
             f", simulated GPUs: {config.simulate}" if driver else "",
         )
-        while not stop.wait(0.5):
-            pass
+        while not stop.wait(0.2):
+            if reload.is_set():
+                reload.clear()
+                config = _reload(args, config, sampler, engine)
         server.close()
+        engine.stop()
         if not sampler.stop(timeout=0.5):
             log.warning("a sample is still running (NVML hung?); exiting without waiting for it")
         collector.close(timeout=0.5)
     log.info("stopped")
     return EXIT_OK
+
+
+_RESTART_ONLY = (
+    "listen",
+    "simulate",
+    "proc_root",
+    "dev_root",
+    "tls_cert_file",
+    "tls_key_file",
+    "tls_client_ca_file",
+    "history",
+)
+
+
+def _reload(args: argparse.Namespace, running: Config, sampler: Any, engine: Any) -> Config:
+    """Apply the config file again; an invalid one is rejected and the running config stays."""
+    try:
+        new = _config(args)
+    except ConfigError as exc:
+        log.error("config reload rejected, the running config stays: %s", exc)
+        return running
+    logging.getLogger().setLevel(new.log_level.upper())
+    sampler.interval, sampler.deadline = new.interval, new.deadline
+    sampler.stats.interval_seconds = new.interval
+    engine.reload(new.actions)
+    changed = [key for key in _RESTART_ONLY if getattr(new, key) != getattr(running, key)]
+    if changed:
+        log.warning("config reloaded; %s change only after a restart", ", ".join(changed))
+    else:
+        log.info("config reloaded")
+    return dataclasses.replace(new, **{key: getattr(running, key) for key in _RESTART_ONLY})
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from exporter.actions.scheduler import ActionsConfig, parse_actions
 from exporter.units import parse_duration
 from exporter.yamlconf import ConfigError, Section, load_document
 
@@ -42,10 +43,12 @@ class Config:
     log_level: str
     simulate: str | None  # None, "builtin", or a scenario file
     proc_root: str
+    dev_root: str
     tls_cert_file: str | None
     tls_key_file: str | None
     tls_client_ca_file: str | None
     history: int
+    actions: ActionsConfig
 
 
 def parse_listen(value: Any) -> Listen:
@@ -171,6 +174,13 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("paths.proc", "--proc", _directory, "/proc", "procfs root (/host/proc in a container)"),
     Setting(
+        "paths.dev",
+        "--dev",
+        _directory,
+        "/dev",
+        "device root holding nvidiaN nodes (/host/dev in a container)",
+    ),
+    Setting(
         "tls.cert_file",
         "--tls-cert-file",
         _optional_file,
@@ -192,8 +202,8 @@ SETTINGS: tuple[Setting, ...] = (
 BY_KEY = {setting.key: setting for setting in SETTINGS}
 
 
-def _from_file(path: str) -> dict[str, tuple[Any, str]]:
-    """Each setting the file sets: (value, file:line)."""
+def _from_file(path: str) -> tuple[dict[str, tuple[Any, str]], ActionsConfig]:
+    """Each setting the file sets, as (value, file:line), and the actions."""
     doc = load_document(path)
     root = doc.root()
     sections: dict[str, Section] = {"": root}
@@ -208,9 +218,10 @@ def _from_file(path: str) -> dict[str, tuple[Any, str]]:
             values[setting.key] = (section.get(name, setting.parse), where)
         else:
             section.get(name, str, None)  # known, absent
+    actions = parse_actions(root.section("actions"))
     for section in sections.values():
         section.done()
-    return values
+    return values, actions
 
 
 def load_config(
@@ -223,8 +234,10 @@ def load_config(
     flags = flags or {}
     values = {s.key: s.parse(s.default) if s.default is not None else None for s in SETTINGS}
     origin = {s.key: "default" for s in SETTINGS}  # where each value came from, for errors
+    actions = ActionsConfig()
     if path:
-        for key, (value, where) in _from_file(path).items():
+        from_file, actions = _from_file(path)
+        for key, (value, where) in from_file.items():
             values[key], origin[key] = value, where
     for setting in SETTINGS:
         if setting.env in environ:
@@ -250,10 +263,12 @@ def load_config(
         log_level=values["log_level"],
         simulate=values["simulate"],
         proc_root=values["paths.proc"],
+        dev_root=values["paths.dev"],
         tls_cert_file=values["tls.cert_file"],
         tls_key_file=values["tls.key_file"],
         tls_client_ca_file=values["tls.client_ca_file"],
         history=values["history"],
+        actions=actions,
     )
 
 

@@ -11,7 +11,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 from prometheus_client.exposition import start_wsgi_server
@@ -19,6 +19,9 @@ from prometheus_client.exposition import start_wsgi_server
 from exporter import __version__
 from exporter.metrics import CONTENT_TYPE, render_liveness
 from exporter.sampler import Sampler
+
+if TYPE_CHECKING:
+    from exporter.actions.scheduler import ActionEngine
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,8 @@ _LANDING = """<!doctype html>
 <li><a href="healthz">/healthz</a>: 200 while the Snapshot is fresh and NVML answers</li>
 <li><a href="snapshot">/snapshot</a>: the latest Snapshot as JSON
 (<code>?gpu=INDEX|UUID</code>, repeatable)</li>
+<li><a href="recommend">/recommend</a>: the GPUs to use now
+(<code>?policy=NAME&amp;count=N&amp;min_free_memory=8GiB&amp;max_utilization=0.1&amp;max_temperature=80</code>)</li>
 </ul></body></html>
 """
 
@@ -60,8 +65,9 @@ def _text(status: str, message: str) -> Response:
 class App:
     """The WSGI application; every route reads the sampler's latest publication."""
 
-    def __init__(self, sampler: Sampler) -> None:
+    def __init__(self, sampler: Sampler, engine: ActionEngine | None = None) -> None:
         self.sampler = sampler
+        self.engine = engine
         self._routes: dict[
             str, tuple[Callable[[dict[str, list[str]], dict[str, Any]], Response], frozenset[str]]
         ] = {
@@ -69,6 +75,7 @@ class App:
             "/metrics": (self.metrics, frozenset()),
             "/healthz": (self.healthz, frozenset()),
             "/snapshot": (self.snapshot, frozenset({"gpu"})),
+            "/recommend": (self.recommend, RECOMMEND_PARAMS),
         }
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
@@ -133,8 +140,12 @@ class App:
     def metrics(self, params: dict[str, list[str]], environ: dict[str, Any]) -> Response:
         published = self.sampler.latest
         health = self.sampler.health()
-        body = (published.exposition if published else b"") + render_liveness(
-            health.age_seconds, health.stale
+        body = b"".join(
+            (
+                published.exposition if published else b"",
+                self.engine.exposition() if self.engine else b"",
+                render_liveness(health.age_seconds, health.stale),
+            )
         )
         if "gzip" in environ.get("HTTP_ACCEPT_ENCODING", ""):
             return Response(
@@ -148,6 +159,30 @@ class App:
     def healthz(self, params: dict[str, list[str]], environ: dict[str, Any]) -> Response:
         health = self.sampler.health()
         return _text("200 OK" if health.ok else "503 Service Unavailable", health.reason)
+
+    def recommend(self, params: dict[str, list[str]], environ: dict[str, Any]) -> Response:
+        if self.engine is None:
+            raise BadRequest("404 Not Found", "recommendations need the action engine")
+        if self.sampler.latest is None:
+            raise BadRequest("503 Service Unavailable", "no sample yet")
+        single = {}
+        for name, values in params.items():
+            if len(values) > 1:
+                raise BadRequest(
+                    "400 Bad Request", f"query parameter {name!r} given more than once"
+                )
+            single[name] = values[0]
+        policy = single.pop("policy", "default")
+        known = self.engine.policies()
+        if policy not in known:
+            names = ", ".join(sorted(known))
+            raise BadRequest("404 Not Found", f"no policy {policy!r} (known: {names})")
+        try:
+            result = self.engine.recommend(policy, single)
+        except ValueError as exc:
+            raise BadRequest("400 Bad Request", str(exc)) from None
+        body = json.dumps(result.to_dict(), indent=1).encode()
+        return Response("200 OK" if result.ok else NOT_ENOUGH_GPUS, "application/json", body)
 
     def snapshot(self, params: dict[str, list[str]], environ: dict[str, Any]) -> Response:
         published = self.sampler.latest
@@ -175,6 +210,13 @@ class _NoMetrics:
 
 
 _NO_METRICS: Any = _NoMetrics()
+
+
+RECOMMEND_PARAMS = frozenset(
+    {"policy", "count", "min_free_memory", "max_utilization", "max_temperature", "strategy"}
+)
+#: /recommend answers this when fewer GPUs than asked for qualify (the body still says why).
+NOT_ENOUGH_GPUS = "409 Conflict"
 
 
 @dataclass

@@ -62,6 +62,11 @@ class _Families:
         return iter(self._families)
 
 
+def render_families(families: Iterable[Metric]) -> bytes:
+    """Exposition text of ``families``, leaving out those without samples."""
+    return generate_latest(_Families(f for f in families if f.samples))
+
+
 def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=GPU_LABELS if labels is None else labels)
 
@@ -303,8 +308,7 @@ def self_families(snapshot: Snapshot, stats: SelfStats) -> list[Metric]:
 
 def render(snapshot: Snapshot, stats: SelfStats) -> bytes:
     """The exposition text of one Snapshot and the agent's counters."""
-    families = [*gpu_families(snapshot), *self_families(snapshot, stats)]
-    return generate_latest(_Families(f for f in families if f.samples))
+    return render_families([*gpu_families(snapshot), *self_families(snapshot, stats)])
 
 
 def render_liveness(age_seconds: float | None, stale: bool) -> bytes:

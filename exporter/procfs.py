@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import pwd
 import re
+import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 #: A command line longer than this is cut (it may be megabytes; it is for display only).
@@ -149,3 +151,52 @@ def _process_name(comm: str, cmdline: tuple[str, ...]) -> str:
         if exe.startswith(comm):
             return exe
     return comm
+
+
+def file_identity(path: str) -> tuple[str, int, int] | None:
+    """What makes a device node the same file in any mount namespace: its device number for a
+    character device, else (filesystem, inode); None when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if stat.S_ISCHR(st.st_mode):
+        return ("chr", st.st_rdev, 0)
+    return ("file", st.st_dev, st.st_ino)
+
+
+def scan_fd_holders(
+    root: str, wanted: Mapping[tuple[str, int, int], str]
+) -> tuple[dict[str, set[int]], bool]:
+    """Processes under ``root`` with an open descriptor on one of the ``wanted`` files.
+
+    ``wanted`` maps a file identity (see :func:`file_identity`) to a key (a GPU uuid). Returns the
+    holders per key, and whether every process's descriptors could be read (False when some were
+    not: permission denied, so the picture is incomplete). Processes that vanish mid-scan are
+    simply not holders.
+    """
+    holders: dict[str, set[int]] = {}
+    complete = True
+    try:
+        entries = [entry.name for entry in os.scandir(root) if entry.name.isdigit()]
+    except OSError:
+        return holders, False
+    for name in entries:
+        fd_dir = f"{root}/{name}/fd"
+        try:
+            fds = list(os.scandir(fd_dir))
+        except FileNotFoundError:
+            continue
+        except OSError:
+            complete = False
+            continue
+        for fd in fds:
+            try:
+                if "nvidia" not in os.readlink(fd.path):  # cheap filter before the stat
+                    continue
+            except OSError:
+                continue
+            key = wanted.get(file_identity(fd.path))  # type: ignore[arg-type]
+            if key is not None:
+                holders.setdefault(key, set()).add(int(name))
+    return holders, complete

@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pwd
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from exporter.procfs import ProcFs
+from tests.agent import clean_env, healthz_until, http_get, serve, stderr_of
 
 BUILTIN_NAMES = [
     "NVIDIA H100 80GB HBM3",
@@ -29,12 +25,6 @@ BUILTIN_NAMES = [
 ]
 #: The script name each built-in GPU's spawned processes carry in their command lines.
 BUILTIN_SCRIPTS = [["train.py"], ["finetune.py"], [], ["render.py", "notebook.py"]]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_EXPORTER_")}
-    env.update(extra)
-    return env
 
 
 def run_cli(
@@ -391,68 +381,10 @@ def test_scenario_empty_runs(tmp_path: Path) -> None:
 SERVE = (sys.executable, "-m", "exporter", "serve", "--simulate")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def http_get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-@contextlib.contextmanager
-def server(tmp_path: Path, port: int, *extra: str) -> Iterator[subprocess.Popen[str]]:
-    """A running ``serve --simulate``; killed and reaped whatever happens."""
-    err = (tmp_path / f"serve-{port}-{time.monotonic_ns()}.err").open("w")
-    proc = subprocess.Popen(
-        [*SERVE, "--listen", f"127.0.0.1:{port}", "--interval", "0.2", *extra],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=err,
-        text=True,
-        env=clean_env(),
-    )
-    proc.stderr_path = err.name  # type: ignore[attr-defined]
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        err.close()
-
-
-def stderr_of(proc: subprocess.Popen[str]) -> str:
-    return Path(proc.stderr_path).read_text()  # type: ignore[attr-defined]
-
-
-def wait_healthy(proc: subprocess.Popen[str], port: int, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited {proc.returncode}: {stderr_of(proc)}"
-        try:
-            status, _ = http_get(f"http://127.0.0.1:{port}/healthz")
-        except OSError as exc:  # not listening yet
-            last = exc
-        else:
-            if status == 200:
-                return
-            last = status
-        time.sleep(0.05)
-    raise AssertionError(f"/healthz not 200 within {timeout}s (last: {last}): {stderr_of(proc)}")
-
-
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_serve_and_stop_on_signal(tmp_path: Path, signum: signal.Signals) -> None:
-    port = free_port()
-    with server(tmp_path, port) as proc:
-        wait_healthy(proc, port)
+    with serve(tmp_path, "--simulate", "--interval", "0.2") as (proc, port):
+        healthz_until(proc, port)
         status, metrics = http_get(f"http://127.0.0.1:{port}/metrics")
         assert status == 200
         assert "gpu_up" in metrics
@@ -480,11 +412,20 @@ def test_serve_and_stop_on_signal(tmp_path: Path, signum: signal.Signals) -> Non
 
 
 def test_second_server_on_same_port(tmp_path: Path) -> None:
-    port = free_port()
-    with server(tmp_path, port) as first:
-        wait_healthy(first, port)
+    with serve(tmp_path, "--simulate", "--interval", "0.2") as (first, port):
+        healthz_until(first, port)
         result = subprocess.run(
-            [*SERVE, "--listen", f"127.0.0.1:{port}", "--interval", "0.2"],
+            [
+                sys.executable,
+                "-m",
+                "exporter",
+                "serve",
+                "--simulate",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--interval",
+                "0.2",
+            ],
             capture_output=True,
             text=True,
             timeout=20,

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from exporter.sampler import Sampler
+from tests.agent import healthz_until, http_get, serve, stderr_of
 
 
 def test_history_ring_and_health(simulated, collector, clock):
@@ -57,53 +52,16 @@ def test_sampler_survives_a_bug_in_a_sample(simulated, collector):
     assert len(calls) > 2  # it kept trying every interval
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start_agent(*args: str) -> tuple[subprocess.Popen, int]:
-    port = _free_port()
-    argv = [sys.executable, "-m", "exporter", "serve", "--listen", f"127.0.0.1:{port}", *args]
-    return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True), port
-
-
-def _healthz_until(port: int, wanted: bytes, timeout: float = 10) -> tuple[int, bytes]:
-    """Poll /healthz until its body starts with ``wanted``; returns (status, body)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
-                status, body = r.status, r.read()
-        except urllib.error.HTTPError as exc:
-            status, body = exc.code, exc.read()
-        except OSError:
-            status, body = 0, b""
-        if body.startswith(wanted):
-            return status, body
-        assert time.monotonic() < deadline, f"/healthz never said {wanted!r}; last: {body!r}"
-        time.sleep(0.1)
-
-
-def _stop(agent: subprocess.Popen) -> str:
-    agent.kill()
-    agent.wait()
-    return agent.stderr.read()
-
-
 def test_sigterm_while_nvml_hangs_exits_0_within_2s(tmp_path):
     scenario = tmp_path / "hang.yaml"
     scenario.write_text("gpus:\n  - errors: [{field: power, hang: 60s, from: 0.5s}]\n")
-    agent, port = _start_agent("--simulate", str(scenario), "--interval", "0.2")
-    try:
-        assert _healthz_until(port, b"stale")[0] == 503  # the hang has begun
+    with serve(tmp_path, "--simulate", str(scenario), "--interval", "0.2") as (agent, port):
+        assert healthz_until(agent, port, "stale") == 503  # the hang has begun
         started = time.monotonic()
-        os.kill(agent.pid, signal.SIGTERM)
+        agent.send_signal(signal.SIGTERM)
         code = agent.wait(timeout=5)
         elapsed = time.monotonic() - started
-    finally:
-        stderr = _stop(agent)
+        stderr = stderr_of(agent)
     assert code == 0 and elapsed < 2.0, (code, elapsed, stderr)
     assert "Traceback" not in stderr
     assert "not calling nvmlShutdown" in stderr
@@ -121,20 +79,17 @@ def _real_nvml_works() -> bool:
 
 
 @pytest.mark.skipif(_real_nvml_works(), reason="a real NVIDIA driver answers here")
-def test_serve_without_a_driver_stays_up_and_reports_nvml_down():
-    agent, port = _start_agent("--interval", "0.1")
-    try:
-        status, _ = _healthz_until(port, b"NVML down: LibraryNotFound")
-        assert status == 503
+def test_serve_without_a_driver_stays_up_and_reports_nvml_down(tmp_path):
+    with serve(tmp_path, "--interval", "0.1") as (agent, port):
+        assert healthz_until(agent, port, "NVML down: LibraryNotFound") == 503
         time.sleep(1.6)  # retried at 0 s and 1 s (backoff 1 s, then 2 s)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
-            body = response.read().decode()
+        status, body = http_get(f"http://127.0.0.1:{port}/metrics")
+        assert status == 200
         assert "gpu_exporter_nvml_up 0.0" in body
         assert 'gpu_exporter_sample_errors_total{error="LibraryNotFound",source="nvml"} 2.0' in body
         assert "gpu_up" not in body
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=3) == 0
-    finally:
-        stderr = _stop(agent)
+        stderr = stderr_of(agent)
     assert stderr.count("NVML unavailable") == 1, stderr
     assert "Traceback" not in stderr

@@ -1,0 +1,1 @@
+"""Scheduled actions over the sampler's Snapshots: zombie reaper, thermal hotspots, recommend."""

@@ -1,0 +1,301 @@
+"""The action engine: APScheduler jobs that run each enabled action over the sampler's Snapshots.
+
+A job that raises is logged and counted; it never stops the scheduler or the exporter. Runs of
+one action never overlap (a manual run waits for a scheduled one; missed runs coalesce). After
+every run the actions' metrics are rendered once, and scrapes serve those bytes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.interval import IntervalTrigger
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from exporter.actions.base import Action, boolean, positive_duration
+from exporter.actions.reaper import ReaperConfig, ZombieReaper, parse_reaper
+from exporter.actions.recommend import (
+    Policy,
+    RecommendAction,
+    Recommendation,
+    RecommendConfig,
+    parse_recommend,
+    policy_with,
+    recommend,
+)
+from exporter.actions.thermal import ThermalAction, ThermalConfig, parse_thermal
+from exporter.metrics import render_families
+from exporter.procfs import ProcFs
+from exporter.sampler import Sampler
+from exporter.yamlconf import Section
+
+log = logging.getLogger(__name__)
+
+#: Default schedule of each action, seconds between runs.
+DEFAULT_EVERY = {"zombie_reaper": 30.0, "thermal": 5.0, "recommend": 10.0}
+_PARSERS: dict[str, Callable[[Section], Any]] = {
+    "zombie_reaper": parse_reaper,
+    "thermal": parse_thermal,
+    "recommend": parse_recommend,
+}
+
+
+@dataclass(frozen=True)
+class ActionSettings:
+    """One action's schedule and its own settings."""
+
+    enabled: bool
+    every: float | None
+    cron: str | None
+    options: Any
+
+
+def _default_options() -> dict[str, Any]:
+    return {
+        "zombie_reaper": ReaperConfig(),
+        "thermal": ThermalConfig(),
+        "recommend": RecommendConfig(policies={"default": Policy("default")}),
+    }
+
+
+@dataclass(frozen=True)
+class ActionsConfig:
+    """Settings of every action, by name."""
+
+    actions: Mapping[str, ActionSettings] = field(
+        default_factory=lambda: {
+            name: ActionSettings(True, DEFAULT_EVERY[name], None, options)
+            for name, options in _default_options().items()
+        }
+    )
+
+
+def _cron(raw: Any) -> str:
+    text = str(raw)
+    CronTrigger.from_crontab(text)  # ValueError names what is wrong
+    return text
+
+
+def parse_actions(section: Section) -> ActionsConfig:
+    """``actions:``: for each action ``enabled``, ``every`` or ``cron``, and its own keys."""
+    actions = {}
+    for name, parse in _PARSERS.items():
+        sub = section.section(name)
+        enabled = sub.get("enabled", boolean, True)
+        every = sub.get("every", positive_duration, None)
+        cron = sub.get("cron", _cron, None)
+        if every is not None and cron is not None:
+            raise sub.error("cron", "give every or cron, not both")
+        options = parse(sub)
+        sub.done()
+        actions[name] = ActionSettings(
+            enabled, every if every or cron else DEFAULT_EVERY[name], cron, options
+        )
+    section.done()
+    return ActionsConfig(actions)
+
+
+@dataclass
+class _Stats:
+    runs: int = 0
+    failures: int = 0
+    last_success: float | None = None
+    duration: float | None = None
+    failing: bool = False
+
+
+class ActionEngine:
+    """Builds, schedules and runs the actions; renders their metrics."""
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        config: ActionsConfig,
+        procfs: ProcFs,
+        dev_root: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        locked_uuids: Callable[[], Collection[str]] = frozenset,
+        locked_pids: Callable[[], Collection[int]] = frozenset,
+    ) -> None:
+        self.sampler = sampler
+        self.procfs = procfs
+        self.dev_root = dev_root
+        self._clock = clock
+        self._locked_uuids = locked_uuids
+        self._locked_pids = locked_pids
+        self._stats = {name: _Stats() for name in _PARSERS}
+        self._locks = {name: threading.Lock() for name in _PARSERS}
+        self._render_lock = threading.Lock()
+        self._actions: dict[str, Action] = {}
+        self.config = ActionsConfig()
+        self._scheduler: BackgroundScheduler | None = None
+        self._exposition = b""
+        self._apply(config)
+
+    # -- configuration ----------------------------------------------------------------------
+
+    def _apply(self, config: ActionsConfig) -> None:
+        old = self.config.actions if self._actions else {}
+        for name, settings in config.actions.items():
+            with self._locks[name]:
+                current = self._actions.get(name)
+                if (
+                    settings.enabled
+                    and current is not None
+                    and old[name].options == settings.options
+                ):
+                    continue  # unchanged: keep its state (timers, suspects, pending signals)
+                if isinstance(current, ZombieReaper):
+                    current.close()
+                self._actions.pop(name, None)
+                if settings.enabled:
+                    self._actions[name] = self._make(name, settings.options)
+        self.config = config
+        self._render()
+
+    def _make(self, name: str, options: Any) -> Action:
+        if name == "thermal":
+            return ThermalAction(options)
+        if name == "recommend":
+            return RecommendAction(options, hotspots=self.hotspots, locked=self._locked_uuids)
+        return ZombieReaper(options, self.procfs, self.dev_root, locked_pids=self._locked_pids)
+
+    def reload(self, config: ActionsConfig) -> None:
+        """Apply a new configuration: changed actions start afresh, the others keep state."""
+        self._apply(config)
+        if self._scheduler is not None:
+            self._schedule()
+
+    # -- scheduling -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the scheduler; interval jobs run once right away."""
+        logging.getLogger("apscheduler").setLevel(logging.ERROR)  # we log runs and failures
+        self._scheduler = BackgroundScheduler(
+            executors={"default": ThreadPoolExecutor(len(_PARSERS))},
+            job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
+        )
+        self._scheduler.start()
+        self._schedule()
+
+    def _schedule(self) -> None:
+        assert self._scheduler is not None
+        self._scheduler.remove_all_jobs()
+        for name, settings in self.config.actions.items():
+            if not settings.enabled:
+                continue
+            if settings.cron:
+                trigger: Any = CronTrigger.from_crontab(settings.cron)
+                first = None
+            else:
+                trigger = IntervalTrigger(seconds=settings.every)
+                delay = datetime.timedelta(seconds=min(1.0, settings.every or 1.0))
+                first = datetime.datetime.now(datetime.timezone.utc) + delay  # after a sample
+            self._scheduler.add_job(
+                self.run, trigger, args=[name], id=name, name=name, next_run_time=first
+            )
+
+    def stop(self) -> None:
+        """Stop scheduling; release what the reaper holds."""
+        if self._scheduler is not None:
+            self._scheduler.shutdown(wait=False)
+            self._scheduler = None
+        for action in self._actions.values():
+            if isinstance(action, ZombieReaper):
+                action.close()
+
+    # -- running ----------------------------------------------------------------------------
+
+    def run(self, name: str) -> bool:
+        """Run one action now over the latest Snapshots; False when it failed or is disabled."""
+        with self._locks[name]:
+            action = self._actions.get(name)
+            if action is None:
+                return False
+            stats = self._stats[name]
+            started = time.monotonic()
+            stats.runs += 1
+            try:
+                action.run(self.sampler.history(), self._clock())
+                ok = True
+            except Exception:
+                ok = False
+                stats.failures += 1
+                if not stats.failing:
+                    log.exception("action %s failed; it runs again at its next time", name)
+            stats.failing = not ok
+            stats.duration = time.monotonic() - started
+            if ok:
+                stats.last_success = self._clock()
+        self._render()
+        return ok
+
+    def hotspots(self) -> Mapping[str, int]:
+        """Thermal levels by uuid (empty when the thermal action is off)."""
+        thermal = self._actions.get("thermal")
+        return thermal.levels() if isinstance(thermal, ThermalAction) else {}
+
+    def policies(self) -> Mapping[str, Policy]:
+        """The configured recommendation policies by name (``default`` always among them)."""
+        return self.config.actions["recommend"].options.policies
+
+    def recommend(self, policy_name: str, params: Mapping[str, str]) -> Recommendation:
+        """Recommend now for a known ``policy_name`` with query overrides; ValueError for a bad
+        parameter."""
+        policy = self.policies()[policy_name]
+        return recommend(
+            policy_with(policy, params),
+            self.sampler.history(),
+            hotspots=self.hotspots(),
+            locked=self._locked_uuids(),
+        )
+
+    # -- metrics ----------------------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        """The actions' metrics as rendered after the last run."""
+        return self._exposition
+
+    def _render(self) -> None:
+        with self._render_lock:
+            families: list[Metric] = [*self._stat_families()]
+            for action in list(self._actions.values()):
+                families.extend(action.families())
+            self._exposition = render_families(families)
+
+    def _stat_families(self) -> list[Metric]:
+        labels = ["action"]
+        enabled = GaugeMetricFamily(
+            "gpu_exporter_action_enabled", "1 when the action is enabled.", labels=labels
+        )
+        runs = CounterMetricFamily("gpu_exporter_action_runs", "Runs of the action.", labels=labels)
+        failures = CounterMetricFamily(
+            "gpu_exporter_action_failures", "Runs of the action that raised.", labels=labels
+        )
+        last = GaugeMetricFamily(
+            "gpu_exporter_action_last_success_timestamp_seconds",
+            "When the action last succeeded, seconds since the epoch.",
+            labels=labels,
+        )
+        duration = GaugeMetricFamily(
+            "gpu_exporter_action_duration_seconds", "How long the last run took.", labels=labels
+        )
+        for name, stats in sorted(self._stats.items()):
+            enabled.add_metric([name], 1.0 if name in self._actions else 0.0)
+            runs.add_metric([name], stats.runs)
+            failures.add_metric([name], stats.failures)
+            if stats.last_success is not None:
+                last.add_metric([name], stats.last_success)
+            if stats.duration is not None:
+                duration.add_metric([name], stats.duration)
+        return [enabled, runs, failures, last, duration]

@@ -1,0 +1,85 @@
+"""The real ``gpu-exporter serve`` as a child process, for tests that need the whole agent."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without GPU_EXPORTER_* variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_EXPORTER_")}
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def http_get(url: str) -> tuple[int, str]:
+    """(status, body) of a GET; HTTP errors are answers too."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+@contextlib.contextmanager
+def serve(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """A running ``gpu-exporter serve ARGS`` on a free loopback port; killed and reaped after."""
+    port = free_port()
+    err = (tmp_path / f"serve-{port}-{time.monotonic_ns()}.err").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exporter", "serve", "--listen", f"127.0.0.1:{port}", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+        text=True,
+        env=clean_env(),
+    )
+    proc.stderr_path = err.name  # type: ignore[attr-defined]
+    try:
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        err.close()
+
+
+def stderr_of(proc: subprocess.Popen[str]) -> str:
+    """What a process started by :func:`serve` has written to standard error so far."""
+    return Path(proc.stderr_path).read_text()  # type: ignore[attr-defined]
+
+
+def healthz_until(
+    proc: subprocess.Popen[str], port: int, wanted: str = "ok", timeout: float = 10
+) -> int:
+    """Poll /healthz until its body starts with ``wanted``; returns the status."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited {proc.returncode}: {stderr_of(proc)}"
+        try:
+            status, body = http_get(f"http://127.0.0.1:{port}/healthz")
+        except OSError as exc:  # not listening yet
+            last = exc
+        else:
+            if body.startswith(wanted):
+                return status
+            last = (status, body)
+        time.sleep(0.05)
+    raise AssertionError(f"/healthz never said {wanted!r} (last: {last}): {stderr_of(proc)}")

@@ -1,0 +1,309 @@
+"""The action engine: config, scheduling, failures, metrics, /recommend and SIGHUP reloads."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter import http as agent_http
+from exporter.actions.scheduler import ActionEngine, ActionsConfig, parse_actions
+from exporter.config import load_config
+from exporter.http import App
+from exporter.procfs import ProcFs
+from exporter.sampler import Sampler
+from exporter.yamlconf import ConfigError, parse_document
+from tests.agent import healthz_until, serve, stderr_of
+
+SCENARIO = """
+gpus:
+  - {name: GPU A, memory_total: 80GiB, utilization: 0.9, temperature: 60}
+  - {name: GPU B, memory_total: 80GiB, utilization: 0.1, temperature: 50}
+"""
+
+
+def actions(text: str) -> ActionsConfig:
+    return parse_actions(parse_document(text, "c.yaml").root().section("actions"))
+
+
+@pytest.fixture
+def engine(simulated, collector, clock, tmp_path):
+    simulated(SCENARIO)
+    sampler = Sampler(collector, interval=5, deadline=5, monotonic=clock)
+    sampler.sample_once()
+    made = ActionEngine(sampler, ActionsConfig(), ProcFs(), str(tmp_path), clock=lambda: 1.7e9)
+    yield made
+    made.stop()
+
+
+def samples(exposition: bytes) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(exposition.decode()):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def value(found: dict, name: str, **labels: str) -> float:
+    (match,) = [s for s in found[name] if all(s.labels.get(k) == v for k, v in labels.items())]
+    return match.value
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+
+def test_defaults_without_config():
+    config = ActionsConfig()
+    assert set(config.actions) == {"zombie_reaper", "thermal", "recommend"}
+    assert all(a.enabled for a in config.actions.values())
+    assert config.actions["zombie_reaper"].options.dry_run is True
+    assert "default" in config.actions["recommend"].options.policies
+
+
+def test_schedule_keys():
+    config = actions(
+        "actions:\n"
+        "  thermal: {every: 500ms}\n"
+        "  zombie_reaper: {cron: '*/5 * * * *'}\n"
+        "  recommend: {enabled: false}\n"
+    )
+    assert config.actions["thermal"].every == 0.5
+    assert config.actions["zombie_reaper"].cron == "*/5 * * * *"
+    assert config.actions["zombie_reaper"].every is None
+    assert not config.actions["recommend"].enabled
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "needle"),
+    [
+        (
+            "actions:\n  thermal:\n    everry: 5s\n",
+            "c.yaml:3",
+            "actions.thermal.everry: unknown key",
+        ),
+        ("actions:\n  reaper: {}\n", "c.yaml:2", "actions.reaper: unknown key"),
+        ("actions:\n  zombie_reaper:\n    dry_runn: false\n", "c.yaml:3", "dry_runn: unknown key"),
+        ("actions:\n  thermal:\n    cron: 'every day'\n", "c.yaml:3", "actions.thermal.cron"),
+        ("actions:\n  thermal: {every: 5s, cron: '* * * * *'}\n", "c.yaml:2", "every or cron"),
+        ("actions:\n  thermal: {every: 0s}\n", "c.yaml:2", "more than 0s"),
+        ("actions:\n  thermal: {enabled: 'yes'}\n", "c.yaml:2", "true or false"),
+        (
+            "actions:\n  recommend:\n    policies:\n      big: {strategy: biggest}\n",
+            "c.yaml:4",
+            "strategy",
+        ),
+    ],
+)
+def test_config_errors_name_file_line_and_key(text, where, needle):
+    with pytest.raises(ConfigError) as failed:
+        actions(text)
+    assert str(failed.value).startswith(where) and needle in str(failed.value), str(failed.value)
+
+
+def test_check_config_rejects_a_typo_in_a_safety_setting(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("actions:\n  zombie_reaper:\n    dryrun: false\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "exporter", "check-config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert f"{path}:3: actions.zombie_reaper.dryrun: unknown key" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_example_config_is_valid():
+    config = load_config(str(Path(__file__).parent.parent / "config.example.yaml"), environ={})
+    assert config.actions.actions["zombie_reaper"].options.dry_run is True
+
+
+# -- running ---------------------------------------------------------------------------------------
+
+
+def test_every_action_runs_and_publishes_metrics(engine):
+    for name in ("thermal", "recommend", "zombie_reaper"):
+        assert engine.run(name)
+    found = samples(engine.exposition())
+    for name in ("thermal", "recommend", "zombie_reaper"):
+        assert value(found, "gpu_exporter_action_runs_total", action=name) == 1
+        assert value(found, "gpu_exporter_action_failures_total", action=name) == 0
+        assert (
+            value(found, "gpu_exporter_action_last_success_timestamp_seconds", action=name) == 1.7e9
+        )
+        assert value(found, "gpu_exporter_action_duration_seconds", action=name) >= 0
+    assert value(found, "gpu_thermal_hotspot", gpu="0") == 0
+    assert value(found, "gpu_recommended", gpu="0", policy="default") == 1  # a tie: lowest index
+    assert value(found, "gpu_recommended", gpu="1", policy="default") == 0
+    assert value(found, "gpu_recommended_devices", policy="default") == 1
+    assert value(found, "gpu_zombie_processes", gpu="0", **{"class": "orphan"}) == 0
+
+
+def test_a_failing_action_is_counted_and_the_others_go_on(engine, caplog):
+    class Broken:
+        name = "thermal"
+
+        def run(self, snapshots, now):
+            raise RuntimeError("bug in an action")
+
+        def families(self):
+            return []
+
+    engine._actions["thermal"] = Broken()
+    assert not engine.run("thermal")
+    assert not engine.run("thermal")
+    assert engine.run("recommend")
+    found = samples(engine.exposition())
+    assert value(found, "gpu_exporter_action_failures_total", action="thermal") == 2
+    assert value(found, "gpu_exporter_action_runs_total", action="thermal") == 2
+    assert "gpu_exporter_action_last_success_timestamp_seconds" not in {
+        n for n, s in found.items() if any(x.labels.get("action") == "thermal" for x in s)
+    }
+    assert caplog.text.count("action thermal failed") == 1  # logged once per failing episode
+
+
+def test_runs_of_one_action_never_overlap(engine):
+    active, most = [0], [0]
+
+    class Slow:
+        name = "thermal"
+
+        def run(self, snapshots, now):
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+            time.sleep(0.05)
+            active[0] -= 1
+
+        def families(self):
+            return []
+
+    engine._actions["thermal"] = Slow()
+    threads = [threading.Thread(target=engine.run, args=("thermal",)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most[0] == 1
+
+
+def test_scheduler_runs_jobs_on_their_interval(engine):
+    engine.reload(actions("actions:\n  thermal: {every: 100ms}\n"))
+    engine.start()
+    deadline = time.monotonic() + 3
+    while engine._stats["thermal"].runs < 3:
+        assert time.monotonic() < deadline, "the job did not run"
+        time.sleep(0.05)
+    engine.stop()
+
+
+def test_reload_keeps_unchanged_actions_and_disables_others(engine):
+    engine.run("thermal")
+    thermal = engine._actions["thermal"]
+    engine.reload(actions("actions:\n  recommend: {enabled: false}\n"))
+    assert engine._actions["thermal"] is thermal  # unchanged: state kept
+    assert "recommend" not in engine._actions
+    assert not engine.run("recommend")
+    found = samples(engine.exposition())
+    assert value(found, "gpu_exporter_action_enabled", action="recommend") == 0
+    engine.reload(actions("actions:\n  thermal: {warning_celsius: 70}\n"))
+    assert engine._actions["thermal"] is not thermal
+
+
+# -- /recommend ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def server(engine):
+    running = agent_http.serve(App(engine.sampler, engine), "127.0.0.1", 0)
+    yield running
+    running.close()
+
+
+def get(server, path: str) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        body = response.read()
+        try:
+            return response.status, json.loads(body)
+        except ValueError:
+            return response.status, {"text": body.decode()}
+    finally:
+        conn.close()
+
+
+def test_recommend_endpoint(server):
+    status, body = get(server, "/recommend")
+    assert status == 200 and body["ok"] and [c["index"] for c in body["chosen"]] == [0]
+    status, body = get(server, "/recommend?count=2&max_utilization=0.5")
+    assert status == 409 and not body["ok"] and body["chosen"] == []
+    (rejected,) = body["rejected"]
+    assert rejected["index"] == 0 and "utilization 90% above 50%" in rejected["reason"]
+    status, body = get(server, "/recommend?strategy=least_utilized")
+    assert status == 200 and body["chosen"][0]["index"] == 1
+    status, body = get(server, "/recommend?min_free_memory=100GiB")
+    assert status == 409
+
+
+@pytest.mark.parametrize(
+    ("query", "status", "needle"),
+    [
+        ("count=0", 400, "count"),
+        ("count=two", 400, "count"),
+        ("min_free_memory=lots", 400, "min_free_memory"),
+        ("max_utilization=2", 400, "max_utilization"),
+        ("max_temperature=hot", 400, "max_temperature"),
+        ("policy=nope", 404, "no policy 'nope'"),
+        ("bogus=1", 400, "unknown query parameter 'bogus'"),
+        ("count=1&count=2", 400, "more than once"),
+    ],
+)
+def test_recommend_bad_parameters(server, query, status, needle):
+    got, body = get(server, f"/recommend?{query}")
+    assert got == status and needle in body["text"], body
+
+
+def test_metrics_include_the_actions(server, engine):
+    engine.run("thermal")
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    conn.request("GET", "/metrics")
+    names = {f.name for f in text_string_to_metric_families(conn.getresponse().read().decode())}
+    conn.close()
+    assert {"gpu_up", "gpu_thermal_hotspot", "gpu_exporter_action_runs"} <= names
+
+
+# -- SIGHUP ----------------------------------------------------------------------------------------
+
+
+def test_sighup_reloads_and_rejects_an_invalid_file(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text("actions:\n  thermal: {every: 1s}\n")
+    with serve(tmp_path, "--simulate", "--config", str(config), "--interval", "0.2") as (
+        agent,
+        port,
+    ):
+        healthz_until(agent, port)
+        config.write_text("actions:\n  thermal: {evry: 1s}\n")
+        agent.send_signal(signal.SIGHUP)
+        time.sleep(0.6)
+        assert healthz_until(agent, port) == 200  # still serving, on the old config
+        config.write_text("interval: 1s\nactions:\n  recommend: {enabled: false}\n")
+        agent.send_signal(signal.SIGHUP)
+        time.sleep(0.6)
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=5) == 0
+        stderr = stderr_of(agent)
+    rejected = [line for line in stderr.splitlines() if "reload rejected" in line]
+    assert len(rejected) == 1 and "config.yaml:2: actions.thermal.evry: unknown key" in rejected[0]
+    assert "config reloaded" in stderr
+    assert "Traceback" not in stderr

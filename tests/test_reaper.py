@@ -1,0 +1,419 @@
+"""The zombie reaper with real processes that the test starts and reaps.
+
+An orphan is made for real: a job leader in its own session starts a worker that opens a fake
+device node (``<tmp>/dev/nvidia0``), then the leader exits. The test process is a child
+subreaper, so the orphaned worker becomes its child and the test reaps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+
+from exporter.actions.audit import AuditLog
+from exporter.actions.reaper import CLASSES, ReaperConfig, ZombieReaper, parse_reaper
+from exporter.procfs import ProcFs
+from exporter.yamlconf import ConfigError, parse_document
+
+PR_SET_CHILD_SUBREAPER = 36
+BASE = 1.7e9  # the collector fixture's wall clock is BASE + the fake clock
+
+
+@pytest.fixture
+def subreaper() -> Iterator[list[int]]:
+    """Orphans of this test become its children; every pid appended is killed and reaped."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+@pytest.fixture
+def dev(tmp_path) -> str:
+    root = tmp_path / "dev"
+    root.mkdir()
+    for minor in range(2):
+        (root / f"nvidia{minor}").write_text("")
+    return str(root)
+
+
+def orphan_worker(pids: list[int], device: str | None, ignore_term: bool = False) -> int:
+    """A worker whose job leader (its group and session leader) has exited."""
+    hold = f"f = open({device!r})" if device else "pass"
+    ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN)" if ignore_term else "pass"
+    worker = f"import signal, time; {hold}; {ignore}; print('ready', flush=True); time.sleep(60)"
+    leader = (
+        "import subprocess, sys\n"
+        f"w = subprocess.Popen([sys.executable, '-c', {worker!r}], stdout=subprocess.PIPE)\n"
+        "print(w.pid, flush=True)\n"
+        "w.stdout.readline()\n"
+    )
+    job = subprocess.Popen(
+        [sys.executable, "-c", leader], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    pid = int(job.stdout.readline())
+    pids.append(pid)
+    job.wait()  # the leader is gone (and reaped): the worker is orphaned
+    return pid
+
+
+def alive(pid: int) -> bool:
+    info = ProcFs().process(pid)
+    return info is not None and info.state != "Z"
+
+
+def wait_exited(pid: int) -> None:
+    deadline = time.monotonic() + 5
+    while alive(pid):
+        assert time.monotonic() < deadline, f"{pid} did not exit"
+        time.sleep(0.01)
+
+
+def scenario(*gpus: list[str]) -> str:
+    lines = ["gpus:"]
+    for minor, processes in enumerate(gpus):
+        lines.append(f"  - minor_number: {minor}")
+        lines.append("    memory_used: 0")
+        lines.append(f"    processes: [{', '.join(processes)}]")
+    return "\n".join(lines) + "\n"
+
+
+def make_reaper(dev: str, tmp_path, **options) -> ZombieReaper:
+    config = replace(
+        ReaperConfig(protect_users=("nobody",)), audit_log=str(tmp_path / "audit.jsonl"), **options
+    )
+    return ZombieReaper(config, ProcFs(), dev)
+
+
+def audit_lines(tmp_path) -> list[dict]:
+    path = tmp_path / "audit.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def counts(reaper: ZombieReaper, gpu: str = "0") -> dict[str, float]:
+    zombies = next(f for f in reaper.families() if f.name == "gpu_zombie_processes")
+    return {s.labels["class"]: s.value for s in zombies.samples if s.labels["gpu"] == gpu}
+
+
+def run_twice(reaper, collector, clock, age: float = 60) -> float:
+    """Two runs, ``age`` seconds and one Snapshot apart; returns the time of the second."""
+    reaper.run([collector.sample()], BASE + clock.now)
+    clock.advance(age)
+    reaper.run([collector.sample()], BASE + clock.now)
+    return BASE + clock.now
+
+
+def test_orphan_found_and_left_alone_in_dry_run(
+    simulated, collector, clock, dev, tmp_path, subreaper
+):
+    pid = orphan_worker(subreaper, f"{dev}/nvidia0")
+    simulated(scenario([f"{{pid: {pid}, memory: 2GiB}}"], []))
+    reaper = make_reaper(dev, tmp_path)
+    reaper.run([collector.sample()], BASE + clock.now)
+    assert counts(reaper)["orphan"] == 0  # seen once: not yet
+    clock.advance(30)
+    reaper.run([collector.sample()], BASE + clock.now)
+    assert counts(reaper)["orphan"] == 0  # min_age not reached
+    clock.advance(30)
+    reaper.run([collector.sample()], BASE + clock.now)
+    assert counts(reaper) == {**dict.fromkeys(CLASSES, 0), "orphan": 1}
+    assert counts(reaper, "1") == dict.fromkeys(CLASSES, 0)
+    assert alive(pid)
+    events = [(e["event"], e.get("reason")) for e in audit_lines(tmp_path)]
+    assert events == [("found", None), ("skipped", "dry_run")]
+    first = audit_lines(tmp_path)[0]
+    assert first["pid"] == pid and first["class"] == "orphan" and first["gpu"] == 0
+    assert first["dry_run"] is True and first["action"] == "zombie_reaper"
+    reaper.run([collector.sample()], BASE + clock.now + 5)  # decisions are written once
+    assert len(audit_lines(tmp_path)) == 2
+    assert reaper.actions_total[("skip", "dry_run")] == 2
+
+
+def test_orphan_terminated_when_not_dry_run(simulated, collector, clock, dev, tmp_path, subreaper):
+    pid = orphan_worker(subreaper, f"{dev}/nvidia0")
+    simulated(scenario([f"{{pid: {pid}, memory: 2GiB, until: 61s}}"]))
+    reaper = make_reaper(dev, tmp_path, dry_run=False)
+    now = run_twice(reaper, collector, clock)
+    wait_exited(pid)
+    clock.advance(1)
+    reaper.run([collector.sample()], BASE + clock.now)  # sees it exited; NVML lists it no more
+    clock.advance(1)
+    reaper.run([collector.sample()], BASE + clock.now)
+    events = [e["event"] for e in audit_lines(tmp_path)]
+    assert events == ["found", "signalling", "exited", "memory_released"], events
+    assert audit_lines(tmp_path)[1]["signal"] == "SIGTERM"
+    assert reaper.actions_total[("signal", "sigterm")] == 1
+    assert reaper.actions_total[("confirm", "memory_released")] == 1
+    assert now > 0
+
+
+def test_sigkill_after_grace_then_unkillable_is_reported(
+    simulated, collector, clock, dev, tmp_path, subreaper
+):
+    pid = orphan_worker(subreaper, f"{dev}/nvidia0", ignore_term=True)
+    simulated(scenario([f"{{pid: {pid}, memory: 2GiB}}"]))
+    reaper = make_reaper(dev, tmp_path, dry_run=False, grace_period=10)
+    run_twice(reaper, collector, clock)
+    time.sleep(0.2)
+    assert alive(pid)  # it ignores SIGTERM
+    clock.advance(5)
+    reaper.run([collector.sample()], BASE + clock.now)
+    assert alive(pid)  # grace period not over
+    clock.advance(5)
+    reaper.run([collector.sample()], BASE + clock.now)
+    wait_exited(pid)
+    clock.advance(1)
+    reaper.run([collector.sample()], BASE + clock.now)
+    events = [(e["event"], e.get("signal")) for e in audit_lines(tmp_path)]
+    assert events[:4] == [
+        ("found", None),
+        ("signalling", "SIGTERM"),
+        ("signalling", "SIGKILL"),
+        ("exited", None),
+    ]
+
+
+def test_unkillable_after_kill_timeout(
+    simulated, collector, clock, dev, tmp_path, subreaper, monkeypatch
+):
+    pid = orphan_worker(subreaper, f"{dev}/nvidia0", ignore_term=True)
+    simulated(scenario([f"{{pid: {pid}, memory: 2GiB}}"]))
+    reaper = make_reaper(dev, tmp_path, dry_run=False, grace_period=0, kill_timeout=60)
+    run_twice(reaper, collector, clock)
+    # SIGKILL cannot end a process stuck in the kernel (D state); no test can make one, so the
+    # exit check is what is held back here: its pidfd never becomes readable.
+    import exporter.actions.reaper as module
+
+    monkeypatch.setattr(module, "_exited", lambda fd: False)
+    clock.advance(1)
+    reaper.run([collector.sample()], BASE + clock.now)  # SIGKILL
+    clock.advance(60)
+    reaper.run([collector.sample()], BASE + clock.now)
+    events = [e["event"] for e in audit_lines(tmp_path)]
+    assert events[:4] == ["found", "signalling", "signalling", "unkillable"], events
+    assert reaper.actions_total[("signal", "unkillable")] == 1
+    signals = reaper.actions_total[("signal", "sigterm")]
+    clock.advance(60)
+    reaper.run([collector.sample()], BASE + clock.now)
+    assert reaper.actions_total[("signal", "sigterm")] == signals  # given up: not signalled again
+
+
+def test_protected_processes_are_never_signalled(
+    simulated, collector, clock, dev, tmp_path, subreaper
+):
+    pid = orphan_worker(subreaper, f"{dev}/nvidia0")
+    simulated(scenario([f"{{pid: {pid}, memory: 2GiB}}"]))
+    name = ProcFs().process(pid).name
+    reaper = make_reaper(dev, tmp_path, dry_run=False, protect_names=("nvidia-*", f"{name[:3]}*"))
+    run_twice(reaper, collector, clock)
+    assert alive(pid) and counts(reaper)["orphan"] == 1
+    assert [e.get("reason") for e in audit_lines(tmp_path)] == [None, "protected_name"]
+    user_reaper = make_reaper(dev, tmp_path, dry_run=False)
+    user_reaper.config = replace(user_reaper.config, protect_users=(str(os.getuid()),))
+    run_twice(user_reaper, collector, clock)
+    assert alive(pid) and user_reaper.actions_total[("skip", "protected_user")] == 1
+    locked = ZombieReaper(
+        replace(user_reaper.config, protect_users=()),
+        ProcFs(),
+        dev,
+        audit=AuditLog(str(tmp_path / "audit.jsonl")),
+        locked_pids=lambda: {pid},
+    )
+    run_twice(locked, collector, clock)
+    assert alive(pid) and locked.actions_total[("skip", "launcher_lock")] == 1
+
+
+def test_listed_process_without_descriptor_is_unverifiable_and_not_signalled(
+    simulated, collector, clock, dev, tmp_path, subreaper
+):
+    pid = orphan_worker(subreaper, None)  # orphaned, but holds no device
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    simulated(scenario([f"{{pid: {pid}, memory: 1GiB}}", f"{{pid: {gone.pid}, memory: 1GiB}}"]))
+    reaper = make_reaper(dev, tmp_path, dry_run=False)
+    run_twice(reaper, collector, clock)
+    assert counts(reaper)["unverifiable"] == 2 and counts(reaper)["orphan"] == 0
+    assert alive(pid)
+    reasons = {e["pid"]: e["why"] for e in audit_lines(tmp_path)}
+    assert "holds no descriptor" in reasons[pid] and "not visible" in reasons[gone.pid]
+    assert not any(e["event"] == "signalling" for e in audit_lines(tmp_path))
+
+
+def test_pid_reused_between_detection_and_kill_is_not_signalled(
+    simulated, collector, clock, dev, tmp_path, subreaper
+):
+    pid = orphan_worker(subreaper, f"{dev}/nvidia0")
+    simulated(scenario([f"{{pid: {pid}, memory: 2GiB}}"]))
+
+    class Reused(ProcFs):
+        """After detection, the PID belongs to a process started later (a new start time)."""
+
+        checks = 0
+
+        def process(self, wanted: int):
+            info = super().process(wanted)
+            if wanted == pid and info is not None and reaper_holder.armed:
+                Reused.checks += 1
+                return replace(info, start_ticks=info.start_ticks + 100)
+            return info
+
+    class Holder:
+        armed = False
+
+    reaper_holder = Holder()
+    config = replace(
+        ReaperConfig(protect_users=()), dry_run=False, audit_log=str(tmp_path / "audit.jsonl")
+    )
+    reaper = ZombieReaper(config, Reused(), dev)
+    original = reaper._terminate
+
+    def terminate(finding, now):
+        reaper_holder.armed = True  # the PID changes hands right before the signal
+        return original(finding, now)
+
+    reaper._terminate = terminate
+    run_twice(reaper, collector, clock)
+    assert Reused.checks >= 1 and alive(pid)
+    assert [e.get("reason") for e in audit_lines(tmp_path)][-1] == "pid_reused"
+    assert not any(e["event"] == "signalling" for e in audit_lines(tmp_path))
+
+
+def test_defunct_is_reported_with_its_parent_and_not_signalled(
+    simulated, collector, clock, dev, tmp_path
+):
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 5
+    while ProcFs().process(child.pid).state != "Z":  # exited, not yet reaped
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        simulated(scenario([f"{{pid: {child.pid}, memory: 1GiB}}"]))
+        reaper = make_reaper(dev, tmp_path, dry_run=False)
+        run_twice(reaper, collector, clock)
+        assert counts(reaper)["defunct"] == 1
+        (found,) = audit_lines(tmp_path)
+        assert found["class"] == "defunct" and found["ppid"] == os.getpid()
+        assert f"parent {os.getpid()}" in found["why"]
+    finally:
+        child.wait()
+
+
+def test_uninterruptible_holder_is_reported_not_signalled(
+    simulated, collector, clock, dev, tmp_path, subreaper
+):
+    pid = orphan_worker(subreaper, f"{dev}/nvidia0")
+    simulated(scenario([f"{{pid: {pid}, memory: 1GiB}}"]))
+
+    class DState(ProcFs):
+        def process(self, wanted: int):
+            info = super().process(wanted)
+            return replace(info, state="D") if info is not None and wanted == pid else info
+
+    config = replace(ReaperConfig(protect_users=()), dry_run=False, audit_log=str(tmp_path / "a"))
+    reaper = ZombieReaper(config, DState(), dev)
+    run_twice(reaper, collector, clock)
+    assert counts(reaper)["uninterruptible"] == 1 and counts(reaper)["orphan"] == 0
+    assert alive(pid)
+
+
+def test_holder_of_a_live_job_is_not_a_zombie(simulated, collector, clock, dev, tmp_path):
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"f = open({dev + '/nvidia1'!r}); print(1, flush=True); import time; time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        holder.stdout.readline()
+        simulated(scenario([], [f"{{pid: {holder.pid}, memory: 1GiB}}"]))
+        reaper = make_reaper(dev, tmp_path, dry_run=False)
+        run_twice(reaper, collector, clock)
+        assert counts(reaper, "1") == dict.fromkeys(CLASSES, 0)
+        assert audit_lines(tmp_path) == []
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_leaked_memory_without_holders(simulated, collector, clock, dev, tmp_path):
+    simulated("gpus:\n  - {minor_number: 0, memory_used: 3GiB}\n  - {minor_number: 1}\n")
+    reaper = make_reaper(dev, tmp_path)
+    run_twice(reaper, collector, clock)
+    assert counts(reaper)["leaked"] == 1 and counts(reaper, "1")["leaked"] == 0
+    (found,) = audit_lines(tmp_path)
+    assert found["class"] == "leaked" and found["pid"] is None
+
+
+def test_max_kills_per_run(simulated, collector, clock, dev, tmp_path, subreaper):
+    pids = [orphan_worker(subreaper, f"{dev}/nvidia0") for _ in range(3)]
+    simulated(scenario([f"{{pid: {p}, memory: 1GiB}}" for p in pids]))
+    reaper = make_reaper(dev, tmp_path, dry_run=False, max_kills_per_run=2)
+    run_twice(reaper, collector, clock)
+    assert reaper.actions_total[("signal", "sigterm")] == 2
+    assert reaper.actions_total[("skip", "max_kills_per_run")] == 1
+    assert sum(alive(p) for p in pids) >= 1
+
+
+def test_audit_log_is_private_and_a_failed_write_prevents_the_signal(
+    simulated, collector, clock, dev, tmp_path, subreaper
+):
+    pid = orphan_worker(subreaper, f"{dev}/nvidia0")
+    simulated(scenario([f"{{pid: {pid}, memory: 1GiB}}"]))
+    reaper = make_reaper(dev, tmp_path, dry_run=False)
+    reaper.audit = AuditLog("/dev/full")  # every write fails: disk full
+    run_twice(reaper, collector, clock)
+    assert alive(pid)  # nothing is signalled that could not be recorded first
+    assert reaper.actions_total[("skip", "audit_failed")] == 1
+    assert reaper.audit.failures >= 2
+    reaper.audit = AuditLog(str(tmp_path / "audit.jsonl"))  # the disk has room again
+    clock.advance(1)
+    reaper.run([collector.sample()], BASE + clock.now)
+    wait_exited(pid)
+    assert stat.S_IMODE(os.stat(tmp_path / "audit.jsonl").st_mode) == 0o600
+    assert [e["event"] for e in audit_lines(tmp_path)] == ["found", "signalling"]
+
+
+def test_audit_log_refuses_a_symlink(tmp_path):
+    target = tmp_path / "target"
+    target.write_text("")
+    (tmp_path / "audit.jsonl").symlink_to(target)
+    log = AuditLog(str(tmp_path / "audit.jsonl"))
+    assert log.write({"event": "x"}) is False
+    assert target.read_text() == ""
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("dry_run: false\n", "dry_run: dry_run: false needs audit_log"),
+        ("dry_run: 'no'\n", "expected true or false"),
+        ("min_age: soon\n", "min_age"),
+        ("max_kills_per_run: -1\n", "max_kills_per_run: must be from 0"),
+        ("audit_log: /nonexistent/dir/a.log\n", "does not exist"),
+        ("protect_names: nvidia\n", "expected a list"),
+    ],
+)
+def test_config_errors(text, needle):
+    section = parse_document(text, "c.yaml").root()
+    with pytest.raises(ConfigError) as failed:
+        parse_reaper(section)
+    assert "c.yaml:1" in str(failed.value) and needle in str(failed.value)
