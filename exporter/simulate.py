@@ -27,6 +27,7 @@ import pynvml
 
 from exporter.snapshot import CLOCK_EVENT_REASONS
 from exporter.units import parse_duration, parse_size
+from exporter.validate import boolean, number, ratio, whole
 from exporter.yamlconf import ConfigError, Section, load_document, parse_document
 
 #: Fields a scenario can mark unsupported or inject errors into, and the functions behind them.
@@ -124,41 +125,14 @@ def _value(number: Callable[[Any], float]) -> Callable[[Any], Value]:
     return parse
 
 
-def _number(raw: Any) -> float:
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
-        raise ValueError(f"expected a number, got {raw!r}")
-    if not math.isfinite(raw):
-        raise ValueError(f"expected a finite number, got {raw!r}")
-    return float(raw)
-
-
-def _ratio(raw: Any) -> float:
-    value = _number(raw)
-    if not 0 <= value <= 1:
-        raise ValueError(f"expected a ratio from 0 to 1, got {raw!r}")
-    return value
-
-
-def _boolean(raw: Any) -> bool:
-    if not isinstance(raw, bool):
-        raise ValueError(f"expected true or false, got {raw!r}")
-    return raw
-
-
-def _whole(raw: Any) -> int:
-    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
-        raise ValueError(f"expected a whole number, got {raw!r}")
-    return raw
-
-
 def _percent(ratio: float) -> int:
     """A ratio as NVML's whole percent; waves may overshoot 0-1, NVML never does."""
     return round(min(max(ratio, 0.0), 1.0) * 100)
 
 
 _SIZE_VALUE = _value(lambda raw: float(parse_size(raw)))
-_NUMBER_VALUE = _value(_number)
-_RATIO_VALUE = _value(_ratio)
+_NUMBER_VALUE = _value(number)
+_RATIO_VALUE = _value(ratio)
 
 
 # -- the scenario ----------------------------------------------------------------------------------
@@ -326,7 +300,7 @@ def _gpu(section: Section, index: int) -> SimGpu:
 
     thresholds_section = section.section("thresholds")
     thresholds = {
-        key: thresholds_section.get(key, lambda raw: None if raw is None else _number(raw), default)
+        key: thresholds_section.get(key, lambda raw: None if raw is None else number(raw), default)
         for key, default in _DEFAULT_THRESHOLDS.items()
     }
     thresholds_section.done()
@@ -337,7 +311,7 @@ def _gpu(section: Section, index: int) -> SimGpu:
     }
     clocks_section.done()
     ecc_section = section.section("ecc")
-    ecc_enabled = ecc_section.get("enabled", _boolean, True)
+    ecc_enabled = ecc_section.get("enabled", boolean, True)
     ecc_corrected = ecc_section.get("corrected", _NUMBER_VALUE, Value(0.0))
     ecc_uncorrected = ecc_section.get("uncorrected", _NUMBER_VALUE, Value(0.0))
     ecc_section.done()
@@ -349,7 +323,7 @@ def _gpu(section: Section, index: int) -> SimGpu:
         uuid=section.get("uuid", str, default_uuid),
         pci_bus_id=section.get("pci_bus_id", str, f"00000000:{0x17 + index * 0x10:02X}:00.0"),
         serial=section.get("serial", str, f"1654{index:09d}"),
-        minor_number=section.get("minor_number", _whole, index),
+        minor_number=section.get("minor_number", whole(0, 1 << 31), index),
         memory_total=section.get("memory_total", parse_size, 80 * 1024**3),
         memory_reserved=section.get("memory_reserved", parse_size, 512 * 1024**2),
         memory_used=section.get("memory_used", _SIZE_VALUE, Value(0.0)),
@@ -359,10 +333,10 @@ def _gpu(section: Section, index: int) -> SimGpu:
         memory_temperature=section.get("memory_temperature", _NUMBER_VALUE, Value(40.0)),
         thresholds=thresholds,
         power=section.get("power", _NUMBER_VALUE, Value(70.0)),
-        power_limit=section.get("power_limit", _number, 700.0),
+        power_limit=section.get("power_limit", number, 700.0),
         fan_speed=section.get("fan_speed", _RATIO_VALUE, Value(0.3)),
         clocks=clocks,
-        performance_state=section.get("performance_state", _whole, 0),
+        performance_state=section.get("performance_state", whole(0, 1 << 31), 0),
         clock_event_reasons=section.get("clock_event_reasons", reasons, 0),
         ecc_enabled=ecc_enabled,
         ecc_corrected=ecc_corrected,

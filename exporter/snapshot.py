@@ -27,6 +27,9 @@ CLOCK_EVENT_REASONS: tuple[tuple[str, int], ...] = (
     ("display_clock_setting", 0x100),
 )
 
+#: The clock-event reasons that mean heat.
+THERMAL_CLOCK_EVENTS = ("sw_thermal_slowdown", "hw_thermal_slowdown")
+
 
 def frozen_map(values: Mapping[str, Any] | None) -> Mapping[str, Any]:
     """A read-only copy of ``values`` (the Snapshot's maps must not change after publication)."""
@@ -107,6 +110,12 @@ class Gpu:
     #: ``corrected``, ``uncorrected`` volatile ECC error counts, where ECC is on.
     ecc_errors: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
     processes: tuple[GpuProcess, ...] | None = None
+
+    def thermal_throttling(self) -> bool:
+        """True while a thermal clock-event reason (SW or HW thermal slowdown) is active;
+        False when none is, or when the reasons are unknown."""
+        active = self.clock_events_active() or {}
+        return any(active.get(reason, False) for reason in THERMAL_CLOCK_EVENTS)
 
     def clock_events_active(self) -> dict[str, bool] | None:
         """Decoded clock-event reason bits, or None when unknown."""

@@ -22,6 +22,7 @@ from exporter.procfs import ProcFs
 from exporter.sampler import Sampler
 from exporter.yamlconf import ConfigError, parse_document
 from tests.agent import healthz_until, serve, stderr_of
+from tests.helpers import one, samples
 
 SCENARIO = """
 gpus:
@@ -42,19 +43,6 @@ def engine(simulated, collector, clock, tmp_path):
     made = ActionEngine(sampler, ActionsConfig(), ProcFs(), str(tmp_path), clock=lambda: 1.7e9)
     yield made
     made.stop()
-
-
-def samples(exposition: bytes) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for family in text_string_to_metric_families(exposition.decode()):
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append(sample)
-    return out
-
-
-def value(found: dict, name: str, **labels: str) -> float:
-    (match,) = [s for s in found[name] if all(s.labels.get(k) == v for k, v in labels.items())]
-    return match.value
 
 
 # -- config ----------------------------------------------------------------------------------------
@@ -135,17 +123,17 @@ def test_every_action_runs_and_publishes_metrics(engine):
         assert engine.run(name)
     found = samples(engine.exposition())
     for name in ("thermal", "recommend", "zombie_reaper"):
-        assert value(found, "gpu_exporter_action_runs_total", action=name) == 1
-        assert value(found, "gpu_exporter_action_failures_total", action=name) == 0
+        assert one(found, "gpu_exporter_action_runs_total", action=name) == 1
+        assert one(found, "gpu_exporter_action_failures_total", action=name) == 0
         assert (
-            value(found, "gpu_exporter_action_last_success_timestamp_seconds", action=name) == 1.7e9
+            one(found, "gpu_exporter_action_last_success_timestamp_seconds", action=name) == 1.7e9
         )
-        assert value(found, "gpu_exporter_action_duration_seconds", action=name) >= 0
-    assert value(found, "gpu_thermal_hotspot", gpu="0") == 0
-    assert value(found, "gpu_recommended", gpu="0", policy="default") == 1  # a tie: lowest index
-    assert value(found, "gpu_recommended", gpu="1", policy="default") == 0
-    assert value(found, "gpu_recommended_devices", policy="default") == 1
-    assert value(found, "gpu_zombie_processes", gpu="0", **{"class": "orphan"}) == 0
+        assert one(found, "gpu_exporter_action_duration_seconds", action=name) >= 0
+    assert one(found, "gpu_thermal_hotspot", gpu="0") == 0
+    assert one(found, "gpu_recommended", gpu="0", policy="default") == 1  # a tie: lowest index
+    assert one(found, "gpu_recommended", gpu="1", policy="default") == 0
+    assert one(found, "gpu_recommended_devices", policy="default") == 1
+    assert one(found, "gpu_zombie_processes", gpu="0", **{"class": "orphan"}) == 0
 
 
 def test_a_failing_action_is_counted_and_the_others_go_on(engine, caplog):
@@ -163,8 +151,8 @@ def test_a_failing_action_is_counted_and_the_others_go_on(engine, caplog):
     assert not engine.run("thermal")
     assert engine.run("recommend")
     found = samples(engine.exposition())
-    assert value(found, "gpu_exporter_action_failures_total", action="thermal") == 2
-    assert value(found, "gpu_exporter_action_runs_total", action="thermal") == 2
+    assert one(found, "gpu_exporter_action_failures_total", action="thermal") == 2
+    assert one(found, "gpu_exporter_action_runs_total", action="thermal") == 2
     assert "gpu_exporter_action_last_success_timestamp_seconds" not in {
         n for n, s in found.items() if any(x.labels.get("action") == "thermal" for x in s)
     }
@@ -213,7 +201,7 @@ def test_reload_keeps_unchanged_actions_and_disables_others(engine):
     assert "recommend" not in engine._actions
     assert not engine.run("recommend")
     found = samples(engine.exposition())
-    assert value(found, "gpu_exporter_action_enabled", action="recommend") == 0
+    assert one(found, "gpu_exporter_action_enabled", action="recommend") == 0
     engine.reload(actions("actions:\n  thermal: {warning_celsius: 70}\n"))
     assert engine._actions["thermal"] is not thermal
 

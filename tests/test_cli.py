@@ -8,7 +8,6 @@ import pwd
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 
 from exporter.procfs import ProcFs
 from tests.agent import clean_env, healthz_until, http_get, serve, stderr_of
+from tests.helpers import line_of, write
 
 BUILTIN_NAMES = [
     "NVIDIA H100 80GB HBM3",
@@ -46,19 +46,6 @@ def assert_usage_error(result: subprocess.CompletedProcess[str], *needles: str) 
     assert result.stdout == ""
     for needle in needles:
         assert needle in result.stderr, (needle, result.stderr)
-
-
-def write(tmp_path: Path, name: str, text: str) -> str:
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(text).lstrip("\n"))
-    return str(path)
-
-
-def line_of(path: str, needle: str) -> int:
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if needle in line:
-            return number
-    raise AssertionError(f"{needle!r} not in {path}")
 
 
 def my_user() -> str:
@@ -228,7 +215,7 @@ def test_bad_environment(args: list[str], variable: str, value: str) -> None:
 
 
 def test_config_file_from_environment(tmp_path: Path) -> None:
-    path = write(tmp_path, "config.yaml", "interval: 1s\nsimulate: nope-such-file.yaml\n")
+    path = write(tmp_path, "interval: 1s\nsimulate: nope-such-file.yaml\n", "config.yaml")
     result = run_cli("status", env=clean_env(GPU_EXPORTER_CONFIG=path), timeout=20)
     assert_usage_error(result, f"{path}:2", "simulate")
 
@@ -239,8 +226,8 @@ def test_config_file_from_environment(tmp_path: Path) -> None:
 def test_check_config_good(tmp_path: Path) -> None:
     path = write(
         tmp_path,
-        "good.yaml",
-        """
+        name="good.yaml",
+        text="""
         listen: 127.0.0.1:9402
         interval: 2s
         deadline: 1s
@@ -258,25 +245,25 @@ def test_check_config_good(tmp_path: Path) -> None:
 
 
 def test_check_config_ignores_environment(tmp_path: Path) -> None:
-    path = write(tmp_path, "good.yaml", "interval: 2s\n")
+    path = write(tmp_path, "interval: 2s\n", "good.yaml")
     result = run_cli("check-config", path, env=clean_env(GPU_EXPORTER_INTERVAL="bad"))
     assert result.returncode == 0, result.stderr
 
 
 def test_check_config_unknown_key(tmp_path: Path) -> None:
-    path = write(tmp_path, "bad.yaml", "listen: :9402\n\nintervall: 5s\n")
+    path = write(tmp_path, "listen: :9402\n\nintervall: 5s\n", "bad.yaml")
     result = run_cli("check-config", path)
     assert_usage_error(result, f"{path}:3", "intervall", "unknown key")
     assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_check_config_invalid_yaml(tmp_path: Path) -> None:
-    path = write(tmp_path, "bad.yaml", "interval: 5s\nlisten: [oops\n")
+    path = write(tmp_path, "interval: 5s\nlisten: [oops\n", "bad.yaml")
     assert_usage_error(run_cli("check-config", path), path, "invalid YAML")
 
 
 def test_check_config_huge_number(tmp_path: Path) -> None:
-    path = write(tmp_path, "big.yaml", "interval: " + "9" * 400 + "\n")
+    path = write(tmp_path, "interval: " + "9" * 400 + "\n", "big.yaml")
     assert_usage_error(run_cli("check-config", path), f"{path}:1", "interval")
 
 
@@ -291,8 +278,8 @@ def test_check_config_missing_file(tmp_path: Path) -> None:
 def test_scenario_unknown_gpu_key(tmp_path: Path) -> None:
     path = write(
         tmp_path,
-        "bad.yaml",
-        """
+        name="bad.yaml",
+        text="""
         gpus:
           - name: NVIDIA H100 80GB HBM3
           - name: NVIDIA A100-SXM4-40GB
@@ -307,8 +294,8 @@ def test_scenario_unknown_gpu_key(tmp_path: Path) -> None:
 def test_scenario_unknown_nvml_error(tmp_path: Path) -> None:
     path = write(
         tmp_path,
-        "bad.yaml",
-        """
+        name="bad.yaml",
+        text="""
         gpus:
           - name: NVIDIA H100 80GB HBM3
             errors:
@@ -321,20 +308,20 @@ def test_scenario_unknown_nvml_error(tmp_path: Path) -> None:
 
 
 def test_scenario_huge_number(tmp_path: Path) -> None:
-    path = write(tmp_path, "big.yaml", "gpus:\n  - memory_total: " + "9" * 400 + "\n")
+    path = write(tmp_path, "gpus:\n  - memory_total: " + "9" * 400 + "\n", "big.yaml")
     assert_usage_error(run_cli("status", "--simulate", path), f"{path}:2", "memory_total")
 
 
 def test_scenario_invalid_yaml(tmp_path: Path) -> None:
-    path = write(tmp_path, "bad.yaml", "gpus:\n  - name: [x\n")
+    path = write(tmp_path, "gpus:\n  - name: [x\n", "bad.yaml")
     assert_usage_error(run_cli("status", "--simulate", path), path, "invalid YAML")
 
 
 def test_scenario_spawn_of_missing_program(tmp_path: Path) -> None:
     path = write(
         tmp_path,
-        "bad.yaml",
-        """
+        name="bad.yaml",
+        text="""
         gpus:
           - name: NVIDIA H100 80GB HBM3
             processes:
@@ -349,8 +336,8 @@ def test_scenario_spawn_of_missing_program(tmp_path: Path) -> None:
 def test_status_shows_a_failed_gpu(tmp_path: Path) -> None:
     path = write(
         tmp_path,
-        "lost.yaml",
-        """
+        name="lost.yaml",
+        text="""
         gpus:
           - name: NVIDIA H100 80GB HBM3
           - name: NVIDIA A100-SXM4-40GB
@@ -369,7 +356,7 @@ def test_status_shows_a_failed_gpu(tmp_path: Path) -> None:
 
 
 def test_scenario_empty_runs(tmp_path: Path) -> None:
-    path = write(tmp_path, "empty.yaml", "gpus: []\n")
+    path = write(tmp_path, "gpus: []\n", "empty.yaml")
     result = run_cli("status", "--simulate", path)
     assert result.returncode == 0, result.stderr
     assert "(no GPUs)" in result.stdout

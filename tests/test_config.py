@@ -4,27 +4,13 @@ from __future__ import annotations
 
 import os
 import re
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from exporter.config import Listen, load_config, parse_listen
 from exporter.yamlconf import ConfigError
-
-
-def write(tmp_path: Path, text: str, name: str = "config.yaml") -> str:
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(text).lstrip("\n"), encoding="utf-8")
-    return str(path)
-
-
-def line_of(path: str, needle: str) -> int:
-    """1-based number of the first line of ``path`` that contains ``needle``."""
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if needle in line:
-            return number
-    raise AssertionError(f"{needle!r} not in {path}")
+from tests.helpers import line_of, write
 
 
 def config_error(path: str | None, flags: dict | None = None, environ: dict | None = None) -> str:

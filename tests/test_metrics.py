@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from exporter.metrics import SelfStats, render, render_liveness
+from tests.helpers import one, samples
 
 SCENARIO = """
 gpus:
@@ -26,22 +25,6 @@ gpus:
     fan_speed: 0.5
     errors: [{field: "*", error: GpuIsLost, from: 20s}]
 """
-
-
-def samples(exposition: bytes) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for family in text_string_to_metric_families(exposition.decode()):
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append(sample)
-    return out
-
-
-def one(found: dict, name: str, **labels: str) -> float:
-    matches = [
-        s for s in found.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())
-    ]
-    assert len(matches) == 1, (name, labels, found.get(name))
-    return matches[0].value
 
 
 def test_every_contract_metric_with_values(simulated, collector):

@@ -29,7 +29,7 @@ def test_builtin_scenario_loads():
         ("gpus:\n  - name: A\n    temprature: 50\n", "s.yaml:3", "gpus[0].temprature: unknown key"),
         ("gpus:\n  - errors: [{error: Bogus}]\n", "s.yaml:2", "unknown NVML error 'Bogus'"),
         ("gpus:\n  - errors: [{field: nope}]\n", "s.yaml:2", "unknown field 'nope'"),
-        ("gpus:\n  - utilization: 1.5\n", "s.yaml:2", "ratio from 0 to 1"),
+        ("gpus:\n  - utilization: 1.5\n", "s.yaml:2", "must be from 0 to 1"),
         ("gpus:\n  - memory_total: lots\n", "s.yaml:2", "gpus[0].memory_total"),
         ("gpus:\n  - processes: [{memory: 1GiB}]\n", "s.yaml:2", "exactly one of pid and spawn"),
         ("gpus:\n  - processes: [{pid: -3}]\n", "s.yaml:2", "positive PID"),

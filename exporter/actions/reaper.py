@@ -32,18 +32,11 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from exporter.actions.audit import AuditLog
-from exporter.actions.base import (
-    Action,
-    boolean,
-    duration,
-    positive_duration,
-    size,
-    string_list,
-    whole,
-)
+from exporter.actions.base import Action
 from exporter.metrics import GPU_LABELS
 from exporter.procfs import ProcessInfo, ProcFs, file_identity, scan_fd_holders
 from exporter.snapshot import Gpu, Snapshot
+from exporter.validate import boolean, duration, positive_duration, size, string_list, whole
 from exporter.yamlconf import Section
 
 log = logging.getLogger(__name__)

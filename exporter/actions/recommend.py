@@ -39,10 +39,11 @@ from typing import Any, ClassVar
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from exporter.actions.base import Action, boolean, celsius, number, ratio, size, whole
+from exporter.actions.base import Action
 from exporter.metrics import GPU_LABELS
 from exporter.snapshot import Gpu, Snapshot
 from exporter.units import format_bytes, parse_size
+from exporter.validate import boolean, celsius, non_negative, number, ratio, size, whole
 from exporter.yamlconf import Section
 
 STRATEGIES = ("most_free_memory", "least_utilized", "coolest", "weighted")
@@ -51,7 +52,6 @@ DEFAULT_POLICY = "default"
 DEFAULT_SLOWDOWN_CELSIUS = 90.0
 MAX_COUNT = 64
 MAX_WINDOW = 1000
-THERMAL_REASONS = ("sw_thermal_slowdown", "hw_thermal_slowdown")
 
 _NONE: Mapping[str, Any] = MappingProxyType({})
 
@@ -111,19 +111,12 @@ def _strategy(raw: Any) -> str:
     return str(raw)
 
 
-def _weight(raw: Any) -> float:
-    value = number(raw)
-    if value < 0:
-        raise ValueError(f"must be 0 or more, got {raw!r}")
-    return value
-
-
 def _parse_weights(policy: Section) -> Weights:
     section = policy.section("weights")
     weights = Weights(
-        free_memory=section.get("free_memory", _weight, 1.0),
-        idle=section.get("idle", _weight, 1.0),
-        temperature_headroom=section.get("temperature_headroom", _weight, 1.0),
+        free_memory=section.get("free_memory", non_negative, 1.0),
+        idle=section.get("idle", non_negative, 1.0),
+        temperature_headroom=section.get("temperature_headroom", non_negative, 1.0),
     )
     section.done()
     if weights.total <= 0:
@@ -308,11 +301,6 @@ def _means(uuid: str, snapshots: Sequence[Snapshot], window: int) -> _Means:
     return _Means(**{key: _mean(values) for key, values in found.items()})
 
 
-def _throttling(gpu: Gpu) -> bool:
-    active = gpu.clock_events_active() or {}
-    return any(active.get(reason) for reason in THERMAL_REASONS)
-
-
 def _pct(value: float) -> str:
     return f"{value * 100:.1f}".rstrip("0").rstrip(".") + "%"
 
@@ -325,7 +313,7 @@ def _exclusions(
     gpu: Gpu, policy: Policy, hotspots: Mapping[str, int], locked: Collection[str]
 ) -> list[str]:
     reasons = []
-    if _throttling(gpu):
+    if gpu.thermal_throttling():
         reasons.append("thermal throttling")
     if gpu.uuid in locked:
         reasons.append("reserved by a launcher lock")

@@ -21,7 +21,7 @@ from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from exporter.actions.base import Action, boolean, positive_duration
+from exporter.actions.base import Action
 from exporter.actions.reaper import ReaperConfig, ZombieReaper, parse_reaper
 from exporter.actions.recommend import (
     Policy,
@@ -36,6 +36,7 @@ from exporter.actions.thermal import ThermalAction, ThermalConfig, parse_thermal
 from exporter.metrics import render_families
 from exporter.procfs import ProcFs
 from exporter.sampler import Sampler
+from exporter.validate import boolean, positive_duration
 from exporter.yamlconf import Section
 
 log = logging.getLogger(__name__)

@@ -28,16 +28,15 @@ import logging
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from exporter.actions.base import Action, celsius, duration, number, ratio
+from exporter.actions.base import Action
 from exporter.metrics import GPU_LABELS
 from exporter.snapshot import Gpu, Snapshot
+from exporter.validate import celsius, duration, non_negative, positive, ratio
 from exporter.yamlconf import Section
 
-THERMAL_REASONS = ("sw_thermal_slowdown", "hw_thermal_slowdown")
 LEVEL_NAMES = ("ok", "warning", "critical")
 DEFAULT_WARNING_CELSIUS = 80.0
 DEFAULT_CRITICAL_CELSIUS = 85.0
@@ -57,20 +56,6 @@ class ThermalConfig:
     outlier_utilization_band: float = 0.2
 
 
-def _non_negative(raw: Any) -> float:
-    value = number(raw)
-    if value < 0:
-        raise ValueError(f"must be 0 or more, got {raw!r}")
-    return value
-
-
-def _positive(raw: Any) -> float:
-    value = number(raw)
-    if value <= 0:
-        raise ValueError(f"must be more than 0, got {raw!r}")
-    return value
-
-
 def parse_thermal(section: Section) -> ThermalConfig:
     """Read the thermal keys of ``section`` (not enabled/every/cron, and without ``done()``)."""
     defaults = ThermalConfig()
@@ -80,10 +65,10 @@ def parse_thermal(section: Section) -> ThermalConfig:
         warning_celsius=warning,
         critical_celsius=critical,
         hysteresis_celsius=section.get(
-            "hysteresis_celsius", _non_negative, defaults.hysteresis_celsius
+            "hysteresis_celsius", non_negative, defaults.hysteresis_celsius
         ),
         for_seconds=section.get("for", duration, defaults.for_seconds),
-        outlier_celsius=section.get("outlier_celsius", _positive, defaults.outlier_celsius),
+        outlier_celsius=section.get("outlier_celsius", positive, defaults.outlier_celsius),
         outlier_utilization_band=section.get(
             "outlier_utilization_band", ratio, defaults.outlier_utilization_band
         ),
@@ -224,14 +209,13 @@ class ThermalAction(Action):
 
     def _reading(self, gpu: Gpu, snapshot: Snapshot, known: list[Gpu]) -> _Reading:
         warning, critical = self.thresholds(gpu)
-        active = gpu.clock_events_active() or {}
         return _Reading(
             gpu=gpu,
             timestamp=snapshot.timestamp,
             temperature=float(gpu.temperature_celsius or 0.0),  # known: see _known
             warning=warning,
             critical=critical,
-            reason=any(active.get(reason, False) for reason in THERMAL_REASONS),
+            reason=gpu.thermal_throttling(),
             median=_peer_median(gpu, known, self.config.outlier_utilization_band),
         )
 

@@ -1,0 +1,42 @@
+"""Small helpers shared by the tests: files with known lines, and parsed expositions."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def write(tmp_path: Path, text: str, name: str = "config.yaml") -> str:
+    """Write dedented ``text`` to ``tmp_path/name``; returns the path."""
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text).lstrip("\n"), encoding="utf-8")
+    return str(path)
+
+
+def line_of(path: str, needle: str) -> int:
+    """1-based number of the first line of ``path`` that contains ``needle``."""
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if needle in line:
+            return number
+    raise AssertionError(f"{needle!r} not in {path}")
+
+
+def samples(exposition: bytes) -> dict[str, list[Any]]:
+    """Samples by name, parsed with prometheus_client's own parser."""
+    out: dict[str, list[Any]] = {}
+    for family in text_string_to_metric_families(exposition.decode()):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def one(found: dict[str, list[Any]], name: str, **labels: str) -> float:
+    """The value of the one sample of ``name`` with ``labels`` (fails unless exactly one)."""
+    matches = [
+        s for s in found.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+    assert len(matches) == 1, (name, labels, found.get(name))
+    return matches[0].value
