@@ -19,7 +19,7 @@ from typing import Any
 
 from exporter import __version__
 from exporter.collect import Collector
-from exporter.config import SETTINGS, Config, load_config
+from exporter.config import BY_KEY, SETTINGS, Config, load_config
 from exporter.nvml import Nvml
 from exporter.procfs import ProcFs
 from exporter.yamlconf import ConfigError
@@ -163,7 +163,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sampler = Sampler(
             collector, interval=config.interval, deadline=config.deadline, history=config.history
         )
-        engine = ActionEngine(sampler, config.actions, procfs, config.dev_root)
+        dev_root = config.dev_root
+        if driver is not None and dev_root == BY_KEY["paths.dev"].default:
+            dev_root = driver.dev_root  # the simulation's stand-ins for /dev/nvidiaN
+        engine = ActionEngine(sampler, config.actions, procfs, dev_root)
         try:
             server = serve(
                 App(sampler, engine),

@@ -13,9 +13,11 @@ import ctypes
 import hashlib
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -167,6 +169,8 @@ class SimProcess:
     type: str
     window: Window
     where: str = ""  # file:line, for errors while starting it
+    holds_device: bool = True  # a spawned process keeps its GPU's device node open
+    orphan: bool = False  # spawned by a job leader that exits at once
 
 
 @dataclass(frozen=True)
@@ -272,9 +276,13 @@ def _process(section: Section) -> SimProcess:
         type=section.get("type", kind, "compute"),
         window=_window(section),
         where=section.doc.where(section.keys),
+        holds_device=section.get("holds_device", boolean, True),
+        orphan=section.get("orphan", boolean, False),
     )
     if (process.pid is None) == (not process.spawn):
         raise section.error(None, "give exactly one of pid and spawn")
+    if process.orphan and not process.spawn:
+        raise section.error("orphan", "only a spawned process can be made an orphan")
     section.done()
     return process
 
@@ -413,6 +421,16 @@ def _calls_library(obj: Any) -> bool:
     )
 
 
+#: Starts the job's worker in its own (the leader's) session and process group, then exits: the
+#: worker is left an orphan, as when a launcher dies and leaves a DataLoader worker behind.
+_ORPHAN_LEADER = (
+    "import subprocess, sys\n"
+    "worker = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL,"
+    " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+    "print(worker.pid, flush=True)\n"
+)
+
+
 def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -430,7 +448,11 @@ class SimulatedDriver:
     _children: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _pids: dict[tuple[int, int], int] = field(default_factory=dict)
     _energy: dict[int, tuple[float, float]] = field(default_factory=dict)
+    _orphans: list[int] = field(default_factory=list)
     _initialized: bool = False
+    #: A folder of empty ``nvidiaN`` files standing in for the device nodes; spawned processes
+    #: hold theirs open, as CUDA processes hold ``/dev/nvidiaN`` (use it as ``paths.dev``).
+    dev_root: str = ""
 
     def now(self) -> float:
         """Seconds of scenario time."""
@@ -443,6 +465,10 @@ class SimulatedDriver:
         if self._saved:
             return self
         self._t0 = self.clock()
+        self.dev_root = tempfile.mkdtemp(prefix="gpu-exporter-sim-dev-")
+        for gpu in self.scenario.gpus:
+            with open(os.path.join(self.dev_root, f"nvidia{gpu.minor_number}"), "w"):
+                pass
         fakes = self._fakes()
         for name in dir(pynvml):
             if _calls_library(getattr(pynvml, name)) or name in fakes:
@@ -467,6 +493,10 @@ class SimulatedDriver:
         for child in self._children:
             with contextlib.suppress(OSError):
                 child.terminate()
+        for pid in self._orphans:  # not our children: signal them, init reaps them
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        self._orphans.clear()
         for child in self._children:
             try:
                 child.wait(timeout=2)
@@ -474,6 +504,8 @@ class SimulatedDriver:
                 child.kill()
                 child.wait()
         self._children.clear()
+        if self.dev_root:
+            shutil.rmtree(self.dev_root, ignore_errors=True)
 
     def __enter__(self) -> SimulatedDriver:
         return self.install()
@@ -485,7 +517,9 @@ class SimulatedDriver:
         for g, gpu in enumerate(self.scenario.gpus):
             for p, proc in enumerate(gpu.processes):
                 if proc.spawn:
-                    self._pids[(g, p)] = self._start(proc, f"gpus[{g}].processes[{p}].spawn")
+                    device = os.path.join(self.dev_root, f"nvidia{gpu.minor_number}")
+                    key = f"gpus[{g}].processes[{p}].spawn"
+                    self._pids[(g, p)] = self._start(proc, key, device)
                 elif proc.pid == "self":
                     self._pids[(g, p)] = os.getpid()
                 elif proc.pid == "parent":
@@ -493,23 +527,35 @@ class SimulatedDriver:
                 else:
                     self._pids[(g, p)] = int(proc.pid)  # type: ignore[arg-type]
 
-    def _start(self, proc: SimProcess, key: str) -> int:
+    def _start(self, proc: SimProcess, key: str, device: str) -> int:
         argv = list(proc.spawn)
         if argv[0] in ("python", "python3"):  # the interpreter running the agent
             argv[0] = sys.executable
-        try:
-            child = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,
-            )
-        except OSError as exc:
+        if shutil.which(argv[0]) is None:
             self.uninstall()  # put pynvml back and stop what already started
             raise ConfigError(
-                proc.where or "scenario", key, f"cannot start {argv[0]!r}: {exc.strerror or exc}"
-            ) from None
+                proc.where or "scenario", key, f"cannot start {argv[0]!r}: no such program"
+            )
+        if proc.holds_device:  # the shell opens the device on fd 9, then becomes the program
+            argv = ["/bin/sh", "-c", 'exec 9<"$0" && exec "$@"', device, *argv]
+        if proc.orphan:
+            leader = subprocess.Popen(
+                [sys.executable, "-c", _ORPHAN_LEADER, *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            pid = int(leader.communicate()[0])
+            self._orphans.append(pid)
+            return pid
+        child = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,
+        )
         self._children.append(child)
         return child.pid
 

@@ -21,7 +21,7 @@ from exporter.http import App
 from exporter.procfs import ProcFs
 from exporter.sampler import Sampler
 from exporter.yamlconf import ConfigError, parse_document
-from tests.agent import healthz_until, serve, stderr_of
+from tests.agent import healthz_until, http_get, serve, stderr_of
 from tests.helpers import one, samples
 
 SCENARIO = """
@@ -295,3 +295,42 @@ def test_sighup_reloads_and_rejects_an_invalid_file(tmp_path):
     assert len(rejected) == 1 and "config.yaml:2: actions.thermal.evry: unknown key" in rejected[0]
     assert "config reloaded" in stderr
     assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "kill"])
+def test_agent_finds_the_orphan_of_a_simulated_job(tmp_path, dry_run):
+    scenario = tmp_path / "orphan.yaml"
+    scenario.write_text(
+        "gpus:\n"
+        "  - processes:\n"
+        '      - {spawn: [sleep, "60"], orphan: true, memory: 3GiB}\n'
+        '      - {spawn: [sleep, "60"], memory: 1GiB}\n'
+    )
+    audit = tmp_path / "audit.jsonl"
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "actions:\n"
+        "  zombie_reaper:\n"
+        "    every: 200ms\n"
+        "    min_age: 500ms\n"
+        "    protect_users: []\n"
+        f"    dry_run: {str(dry_run).lower()}\n"
+        f"    audit_log: {audit}\n"
+    )
+    args = ("--simulate", str(scenario), "--config", str(config), "--interval", "0.2")
+    with serve(tmp_path, *args) as (agent, port):
+        healthz_until(agent, port)
+        wanted = "signalling" if not dry_run else "skipped"
+        deadline = time.monotonic() + 10
+        while not audit.exists() or wanted not in audit.read_text():
+            assert time.monotonic() < deadline, stderr_of(agent)
+            time.sleep(0.1)
+        status, body = http_get(f"http://127.0.0.1:{port}/metrics")
+        assert status == 200
+        found = samples(body.encode())
+        assert one(found, "gpu_zombie_processes", gpu="0", **{"class": "orphan"}) == 1
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=5) == 0
+    events = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert events[0]["event"] == "found" and events[0]["class"] == "orphan"
+    assert len({e["pid"] for e in events}) == 1  # the job's live process is left alone

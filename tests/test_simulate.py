@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+import time
 
 import pynvml
 import pytest
@@ -90,11 +91,41 @@ def test_spawned_processes_are_real_and_stopped_on_uninstall():
 
 
 def test_call_latency_is_paid_per_call():
-    import time
-
     with SimulatedDriver(parse("driver: {call_latency: 2ms}\ngpus: [{}]\n")):
         pynvml.nvmlInit()
         started = time.perf_counter()
         for _ in range(10):
             pynvml.nvmlDeviceGetCount()
         assert time.perf_counter() - started >= 0.02
+
+
+def test_spawned_processes_hold_their_device_and_orphans_lose_their_job():
+    from exporter.procfs import ProcFs, file_identity, scan_fd_holders
+
+    driver = SimulatedDriver(
+        parse(
+            "gpus:\n"
+            "  - processes:\n"
+            '      - {spawn: [python3, -c, "import time; time.sleep(60)"]}\n'
+            '      - {spawn: [python3, -c, "import time; time.sleep(60)"], orphan: true}\n'
+            '      - {spawn: [python3, -c, "import time; time.sleep(60)"], holds_device: false}\n'
+        )
+    ).install()
+    try:
+        held, orphan, free = (driver._pids[(0, i)] for i in range(3))
+        device = file_identity(f"{driver.dev_root}/nvidia0")
+        holders, complete = scan_fd_holders("/proc", {device: "gpu0"})
+        assert complete and holders["gpu0"] == {held, orphan}
+        procfs = ProcFs()
+        info = procfs.process(orphan)
+        assert info.cmdline[:2] == (info.cmdline[0], "-c")  # the program itself, not the shell
+        assert procfs.process(info.pgid) is None and procfs.process(info.sid) is None
+        assert procfs.process(held).ppid == os.getpid()
+        assert procfs.process(free) is not None  # alive, and not among the holders
+    finally:
+        driver.uninstall()
+    assert not os.path.exists(driver.dev_root)
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{orphan}") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not os.path.exists(f"/proc/{orphan}") or ProcFs().process(orphan).state == "Z"
