@@ -425,8 +425,9 @@ def _calls_library(obj: Any) -> bool:
 #: worker is left an orphan, as when a launcher dies and leaves a DataLoader worker behind.
 _ORPHAN_LEADER = (
     "import subprocess, sys\n"
-    "worker = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL,"
-    " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+    "held = tuple(int(fd) for fd in sys.argv[1].split(',') if fd)\n"
+    "worker = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL,"
+    " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=held)\n"
     "print(worker.pid, flush=True)\n"
 )
 
@@ -536,26 +537,33 @@ class SimulatedDriver:
             raise ConfigError(
                 proc.where or "scenario", key, f"cannot start {argv[0]!r}: no such program"
             )
-        if proc.holds_device:  # the shell opens the device on fd 9, then becomes the program
-            argv = ["/bin/sh", "-c", 'exec 9<"$0" && exec "$@"', device, *argv]
-        if proc.orphan:
-            leader = subprocess.Popen(
-                [sys.executable, "-c", _ORPHAN_LEADER, *argv],
+        # The device stays open in the process, as a CUDA context keeps /dev/nvidiaN open.
+        fd = os.open(device, os.O_RDONLY) if proc.holds_device else None
+        held = (fd,) if fd is not None else ()
+        try:
+            if proc.orphan:
+                leader = subprocess.Popen(
+                    [sys.executable, "-c", _ORPHAN_LEADER, ",".join(map(str, held)), *argv],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                    pass_fds=held,
+                )
+                pid = int(leader.communicate()[0])
+                self._orphans.append(pid)
+                return pid
+            child = subprocess.Popen(
+                argv,
                 stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
-                start_new_session=True,
+                pass_fds=held,
+                preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,
             )
-            pid = int(leader.communicate()[0])
-            self._orphans.append(pid)
-            return pid
-        child = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,
-        )
+        finally:
+            if fd is not None:
+                os.close(fd)
         self._children.append(child)
         return child.pid
 
