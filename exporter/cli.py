@@ -205,16 +205,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_RESTART_ONLY = (
-    "listen",
-    "simulate",
-    "proc_root",
-    "dev_root",
-    "tls_cert_file",
-    "tls_key_file",
-    "tls_client_ca_file",
-    "history",
-)
+#: Config attributes that a reload cannot change, with their config keys.
+_RESTART_ONLY = {
+    "listen": "listen",
+    "simulate": "simulate",
+    "proc_root": "paths.proc",
+    "dev_root": "paths.dev",
+    "tls_cert_file": "tls.cert_file",
+    "tls_key_file": "tls.key_file",
+    "tls_client_ca_file": "tls.client_ca_file",
+    "history": "history",
+}
 
 
 def _reload(args: argparse.Namespace, running: Config, sampler: Any, engine: Any) -> Config:
@@ -228,12 +229,14 @@ def _reload(args: argparse.Namespace, running: Config, sampler: Any, engine: Any
     sampler.interval, sampler.deadline = new.interval, new.deadline
     sampler.stats.interval_seconds = new.interval
     engine.reload(new.actions)
-    changed = [key for key in _RESTART_ONLY if getattr(new, key) != getattr(running, key)]
+    changed = [
+        key for attr, key in _RESTART_ONLY.items() if getattr(new, attr) != getattr(running, attr)
+    ]
     if changed:
         log.warning("config reloaded; %s change only after a restart", ", ".join(changed))
     else:
         log.info("config reloaded")
-    return dataclasses.replace(new, **{key: getattr(running, key) for key in _RESTART_ONLY})
+    return dataclasses.replace(new, **{attr: getattr(running, attr) for attr in _RESTART_ONLY})
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:

@@ -334,3 +334,24 @@ def test_agent_finds_the_orphan_of_a_simulated_job(tmp_path, dry_run):
     events = [json.loads(line) for line in audit.read_text().splitlines()]
     assert events[0]["event"] == "found" and events[0]["class"] == "orphan"
     assert len({e["pid"] for e in events}) == 1  # the job's live process is left alone
+
+
+@pytest.mark.parametrize(
+    ("expression", "weekday"),
+    [("0 12 * * 0", "Sun"), ("0 12 * * 7", "Sun"), ("0 12 * * 1", "Mon"), ("0 12 * * 6", "Sat")],
+)
+def test_cron_weekdays_mean_what_they_mean_to_cron(expression, weekday):
+    import datetime
+
+    from exporter.actions.scheduler import cron_trigger
+
+    monday = datetime.datetime(2026, 11, 30, 13, tzinfo=datetime.timezone.utc)
+    fire = cron_trigger(expression).get_next_fire_time(None, monday)
+    assert fire.strftime("%a") == weekday
+
+
+def test_reloading_reaper_settings_keeps_a_kill_in_progress(engine):
+    reaper = engine._actions["zombie_reaper"]
+    engine.reload(actions("actions:\n  zombie_reaper: {min_age: 5s}\n"))
+    assert engine._actions["zombie_reaper"] is reaper
+    assert reaper.config.min_age == 5

@@ -156,6 +156,8 @@ def test_orphan_terminated_when_not_dry_run(simulated, collector, clock, dev, tm
     reaper.run([collector.sample()], BASE + clock.now)  # sees it exited; NVML lists it no more
     clock.advance(1)
     reaper.run([collector.sample()], BASE + clock.now)
+    clock.advance(60)
+    reaper.run([collector.sample()], BASE + clock.now)  # nothing new to say about it
     events = [e["event"] for e in audit_lines(tmp_path)]
     assert events == ["found", "signalling", "exited", "memory_released"], events
     assert audit_lines(tmp_path)[1]["signal"] == "SIGTERM"
@@ -417,3 +419,21 @@ def test_config_errors(text, needle):
     with pytest.raises(ConfigError) as failed:
         parse_reaper(section)
     assert "c.yaml:1" in str(failed.value) and needle in str(failed.value)
+
+
+def test_ended_process_still_listed_is_not_reported_again(
+    simulated, collector, clock, dev, tmp_path, subreaper
+):
+    pid = orphan_worker(subreaper, f"{dev}/nvidia0")
+    simulated(scenario([f"{{pid: {pid}, memory: 2GiB}}"]))  # NVML keeps listing it
+    reaper = make_reaper(dev, tmp_path, dry_run=False)
+    run_twice(reaper, collector, clock)
+    wait_exited(pid)
+    for _ in range(3):
+        clock.advance(10)
+        reaper.run([collector.sample()], BASE + clock.now)
+    assert [e["event"] for e in audit_lines(tmp_path)] == ["found", "signalling", "exited"]
+    clock.advance(60)
+    reaper.run([collector.sample()], BASE + clock.now)
+    confirm = audit_lines(tmp_path)[3]  # then it is reported as what it now is (defunct)
+    assert confirm["event"] == "memory_not_released" and confirm["why"] == "still listed by NVML"

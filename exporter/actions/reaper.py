@@ -166,10 +166,16 @@ class ZombieReaper(Action):
         self._pending: dict[tuple[int, int], _Pending] = {}
         self._confirm: dict[tuple[int, int], tuple[str, int, float]] = {}
         self._given_up: set[tuple[int, int]] = set()  # unkillable: never signalled again
-        self._given_up: set[tuple[int, int]] = set()  # unkillable: never signalled again
         self._reported: set[tuple[Any, ...]] = set()
         self._counts: dict[tuple[int, str], dict[str, int]] | None = None
         self.actions_total: dict[tuple[str, str], int] = {}
+
+    def reconfigure(self, config: ReaperConfig) -> None:
+        """New settings; what is being watched or signalled carries on under them."""
+        if config.audit_log != self.config.audit_log:
+            self.audit.close()
+            self.audit = AuditLog(config.audit_log)
+        self.config = config
 
     # -- the run --------------------------------------------------------------------------
 
@@ -188,6 +194,8 @@ class ZombieReaper(Action):
             counts[(finding.gpu.index, finding.gpu.uuid)][finding.cls] += 1
             self._report(finding)
         self._counts = counts
+        present = {f.pid for f in findings}
+        self._reported = {key for key in self._reported if key[2] in present}  # (event, uuid, pid…
         self._signal_orphans([f for f in findings if f.cls == "orphan" and f.info], now)
 
     def _classify(self, latest: Snapshot, now: float) -> list[_Finding]:
@@ -202,13 +210,16 @@ class ZombieReaper(Action):
         holders, complete = scan_fd_holders(self.procfs.root, wanted)
         findings: list[_Finding] = []
         seen_suspects: set[tuple[int, int]] = set()
-        signalled = {p.pid: p for p in self._pending.values()}
+        signalled = {p.pid for p in self._pending.values()}
+        ended = {pid for pid, _ in self._confirm}  # exited after our signal: being confirmed
         for gpu in gpus:
             listed = {p.pid for p in gpu.processes or ()}
             holding = holders.get(gpu.uuid, set())
             for pid in sorted(listed | holding):
                 if pid in signalled:  # still the orphan being signalled, whatever it looks like
                     findings.append(_Finding(gpu, pid, "orphan", None, "being signalled"))
+                    continue
+                if pid in ended:  # NVML may list it a little longer; not a new finding
                     continue
                 finding = self._classify_one(gpu, pid, pid in listed, pid in holding, complete)
                 if finding is None:
@@ -315,8 +326,12 @@ class ZombieReaper(Action):
         assert info is not None
         try:
             pidfd = os.pidfd_open(info.pid)
-        except OSError:
+        except ProcessLookupError:
             self._skip(finding, "vanished")
+            return False
+        except OSError as exc:  # an old kernel (pidfds need Linux 5.3), out of descriptors
+            self._skip(finding, "pidfd_unavailable")
+            log.error("cannot open a pidfd for pid %d: %s", info.pid, exc.strerror or exc)
             return False
         current = self.procfs.process(info.pid)
         if current is None or current.start_ticks != info.start_ticks:
@@ -384,24 +399,24 @@ class ZombieReaper(Action):
             if latest.timestamp <= exited_at:
                 continue  # need a Snapshot taken after the exit
             gpu = next((g for g in latest.gpus if g.uuid == uuid and g.up), None)
-            if gpu is None or gpu.processes is None:
-                continue
             event = {"gpu": index, "uuid": uuid, "pid": key[0]}
-            if key[0] not in {p.pid for p in gpu.processes}:
+            listed = None if gpu is None or gpu.processes is None else gpu.processes
+            if listed is not None and key[0] not in {p.pid for p in listed}:
                 self._write(
                     {
                         **event,
                         "event": "memory_released",
-                        "memory_used_bytes": gpu.memory_used_bytes,
+                        "gpu_memory_used_bytes": gpu.memory_used_bytes,  # type: ignore[union-attr]
                     }
                 )
                 self._count("confirm", "memory_released")
-            elif now - exited_at >= self.config.min_age:
-                self._write({**event, "event": "memory_not_released"})
-                self._count("confirm", "memory_not_released")
-            else:
+                del self._confirm[key]
                 continue
-            del self._confirm[key]
+            if now - exited_at >= self.config.min_age:
+                why = "still listed by NVML" if gpu is not None else "the GPU is not answering"
+                self._write({**event, "event": "memory_not_released", "why": why})
+                self._count("confirm", "memory_not_released")
+                del self._confirm[key]
 
     # -- records --------------------------------------------------------------------------
 
@@ -418,7 +433,7 @@ class ZombieReaper(Action):
 
     def _skip(self, finding: _Finding, reason: str) -> None:
         start = finding.info.start_ticks if finding.info else 0
-        key = ("skip", finding.pid, start, reason)
+        key = ("skip", finding.gpu.uuid, finding.pid, start, reason)
         if key not in self._reported and self._audit(finding, "skipped", reason=reason):
             self._reported.add(key)
         self._count("skip", reason)

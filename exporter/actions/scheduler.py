@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -80,9 +81,23 @@ class ActionsConfig:
     )
 
 
+_WEEKDAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat", "sun")
+
+
+def cron_trigger(expression: str) -> CronTrigger:
+    """A trigger for a standard five-field crontab line. Day-of-week numbers mean what they mean
+    to cron (0 and 7 are Sunday); APScheduler alone would read 0 as Monday."""
+    fields = expression.split()
+    if len(fields) == 5:
+        fields[4] = re.sub(
+            r"(?<![/\d])([0-7])(?!\d)", lambda m: _WEEKDAYS[int(m.group(1))], fields[4]
+        )
+    return CronTrigger.from_crontab(" ".join(fields))
+
+
 def _cron(raw: Any) -> str:
     text = str(raw)
-    CronTrigger.from_crontab(text)  # ValueError names what is wrong
+    cron_trigger(text)  # ValueError names what is wrong
     return text
 
 
@@ -146,16 +161,15 @@ class ActionEngine:
     # -- configuration ----------------------------------------------------------------------
 
     def _apply(self, config: ActionsConfig) -> None:
-        old = self.config.actions if self._actions else {}
         for name, settings in config.actions.items():
             with self._locks[name]:
                 current = self._actions.get(name)
-                if (
-                    settings.enabled
-                    and current is not None
-                    and old[name].options == settings.options
-                ):
-                    continue  # unchanged: keep its state (timers, suspects, pending signals)
+                if current is not None and settings.enabled:
+                    if isinstance(current, ZombieReaper):  # never abandon a kill in progress
+                        current.reconfigure(settings.options)
+                        continue
+                    if self.config.actions[name].options == settings.options:
+                        continue  # unchanged: keep its state (timers, levels)
                 if isinstance(current, ZombieReaper):
                     current.close()
                 self._actions.pop(name, None)
@@ -196,7 +210,7 @@ class ActionEngine:
             if not settings.enabled:
                 continue
             if settings.cron:
-                trigger: Any = CronTrigger.from_crontab(settings.cron)
+                trigger: Any = cron_trigger(settings.cron)
                 first = None
             else:
                 trigger = IntervalTrigger(seconds=settings.every)
