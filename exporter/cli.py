@@ -20,6 +20,7 @@ from typing import Any
 from exporter import __version__
 from exporter.collect import Collector
 from exporter.config import BY_KEY, SETTINGS, Config, load_config
+from exporter.launcher import cli as launcher_cli
 from exporter.nvml import Nvml
 from exporter.procfs import ProcFs
 from exporter.yamlconf import ConfigError
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print the Snapshot as JSON")
     check = commands.add_parser("check-config", help="validate a config file (exit 0 or 2)")
     check.add_argument("file", metavar="FILE")
+    launcher_cli.add_parsers(commands, lambda sub: _add_settings(sub, serve=False))
     return parser
 
 
@@ -118,7 +120,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     config = _config(args)
     _setup_logging("critical")  # status reports failures itself, in one line
     with _simulation(config):
-        collector = Collector(Nvml(), ProcFs(config.proc_root))
+        collector = Collector(Nvml(), ProcFs(config.proc_root), lock_dir=_agent_lock_dir(config))
         try:
             snapshot = collector.sample()
         finally:
@@ -136,6 +138,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         print(format_status(snapshot))
     return EXIT_OK
+
+
+def _agent_lock_dir(config: Config) -> str | None:
+    """The launchers' lock directory the agent watches (None when there is none to watch)."""
+    from exporter.launcher.locks import LockError, default_lock_dir
+
+    try:
+        return config.lock_dir or default_lock_dir()
+    except LockError as exc:
+        log.warning("not watching launcher locks: %s", exc)
+        return None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -159,14 +172,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(signum, on_signal)
     with _simulation(config) as driver:
         procfs = ProcFs(config.proc_root)
-        collector = Collector(Nvml(), procfs)
+        lock_dir = _agent_lock_dir(config)
+        collector = Collector(Nvml(), procfs, lock_dir=lock_dir)
         sampler = Sampler(
             collector, interval=config.interval, deadline=config.deadline, history=config.history
         )
         dev_root = config.dev_root
         if driver is not None and dev_root == BY_KEY["paths.dev"].default:
             dev_root = driver.dev_root  # the simulation's stand-ins for /dev/nvidiaN
-        engine = ActionEngine(sampler, config.actions, procfs, dev_root)
+        engine = ActionEngine(sampler, config.actions, procfs, dev_root, lock_dir=lock_dir)
         try:
             server = serve(
                 App(sampler, engine),
@@ -251,6 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"serve": cmd_serve, "status": cmd_status, "check-config": cmd_check_config}
     try:
+        if args.command in ("recommend", "run"):
+            return launcher_cli.handle(args.command, args, _config(args))
         return handlers[args.command](args)
     except ConfigError as exc:
         print(f"gpu-exporter: {exc}", file=sys.stderr)

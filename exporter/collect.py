@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from exporter.launcher.locks import held_locks
 from exporter.nvml import GpuFailed, Nvml, NvmlProcess, NvmlUnavailable
 from exporter.procfs import ProcessInfo, ProcFs
 from exporter.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, SampleError, Snapshot
@@ -31,9 +32,11 @@ class Collector:
         monotonic: Callable[[], float] = time.monotonic,
         backoff_initial: float = 1.0,
         backoff_max: float = 60.0,
+        lock_dir: str | None = None,
     ) -> None:
         self.nvml = nvml
         self.procfs = procfs
+        self.lock_dir = lock_dir
         self._clock = clock
         self._monotonic = monotonic
         self._backoff_initial = backoff_initial
@@ -60,6 +63,9 @@ class Collector:
                 gpus = self._sample_gpus(errors)
             except NvmlUnavailable as exc:
                 self._lost(exc, errors, started)
+        if self.lock_dir and gpus:
+            holders = held_locks(self.lock_dir, self.procfs.root)
+            gpus = tuple(replace(g, reserved_by=holders.get(g.uuid)) for g in gpus)
         self._seq += 1
         return Snapshot(
             seq=self._seq,

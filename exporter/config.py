@@ -44,6 +44,7 @@ class Config:
     simulate: str | None  # None, "builtin", or a scenario file
     proc_root: str
     dev_root: str
+    lock_dir: str | None  # None: the default, resolved when used (launcher.locks)
     tls_cert_file: str | None
     tls_key_file: str | None
     tls_client_ca_file: str | None
@@ -136,10 +137,11 @@ class Setting:
     parse: Callable[[Any], Any]
     default: Any
     help: str
+    env_name: str = ""  # when the variable is not GPU_EXPORTER_ + the key
 
     @property
     def env(self) -> str:
-        return "GPU_EXPORTER_" + self.key.replace(".", "_").upper()
+        return self.env_name or "GPU_EXPORTER_" + self.key.replace(".", "_").upper()
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -173,6 +175,14 @@ SETTINGS: tuple[Setting, ...] = (
         "run on simulated GPUs: 'builtin' or a scenario YAML file",
     ),
     Setting("paths.proc", "--proc", _directory, "/proc", "procfs root (/host/proc in a container)"),
+    Setting(
+        "paths.locks",
+        "--lock-dir",
+        _directory,
+        None,
+        "launcher lock directory (default /run/gpu-exporter/locks, else a per-user one)",
+        env_name="GPU_EXPORTER_LOCK_DIR",
+    ),
     Setting(
         "paths.dev",
         "--dev",
@@ -264,6 +274,7 @@ def load_config(
         simulate=values["simulate"],
         proc_root=values["paths.proc"],
         dev_root=values["paths.dev"],
+        lock_dir=values["paths.locks"],
         tls_cert_file=values["tls.cert_file"],
         tls_key_file=values["tls.key_file"],
         tls_client_ca_file=values["tls.client_ca_file"],

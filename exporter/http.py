@@ -17,6 +17,7 @@ from urllib.parse import parse_qs
 from prometheus_client.exposition import start_wsgi_server
 
 from exporter import __version__
+from exporter.launcher.visible import visible_uuids
 from exporter.metrics import CONTENT_TYPE, render_liveness
 from exporter.sampler import Sampler
 
@@ -173,12 +174,16 @@ class App:
                 )
             single[name] = values[0]
         policy = single.pop("policy", "default")
+        visible_env = single.pop("visible", None)
+        visible = None
+        if visible_env is not None:  # the client's CUDA_VISIBLE_DEVICES
+            visible, _ = visible_uuids(visible_env, self.sampler.latest.snapshot.gpus)
         known = self.engine.policies()
         if policy not in known:
             names = ", ".join(sorted(known))
             raise BadRequest("404 Not Found", f"no policy {policy!r} (known: {names})")
         try:
-            result = self.engine.recommend(policy, single)
+            result = self.engine.recommend(policy, single, visible)
         except ValueError as exc:
             raise BadRequest("400 Bad Request", str(exc)) from None
         body = json.dumps(result.to_dict(), indent=1).encode()
@@ -213,7 +218,16 @@ _NO_METRICS: Any = _NoMetrics()
 
 
 RECOMMEND_PARAMS = frozenset(
-    {"policy", "count", "min_free_memory", "max_utilization", "max_temperature", "strategy"}
+    {
+        "policy",
+        "count",
+        "min_free_memory",
+        "max_utilization",
+        "max_temperature",
+        "strategy",
+        "exclusive",
+        "visible",
+    }
 )
 #: /recommend answers this when fewer GPUs than asked for qualify (the body still says why).
 NOT_ENOUGH_GPUS = "409 Conflict"

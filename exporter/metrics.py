@@ -244,6 +244,11 @@ def gpu_families(snapshot: Snapshot) -> list[Metric]:
             _gauge("gpu_processes", "Processes NVML lists on the GPU (compute and graphics)."),
             _process_count,
         ),
+        _per_gpu(
+            live,
+            _gauge("gpu_reserved", "1 while a launcher lock holds the GPU for a job, else 0."),
+            lambda g: 1.0 if g.reserved_by is not None else 0.0,
+        ),
         _process_memory(live),
     ]
 

@@ -288,6 +288,7 @@ class Nvml:
             index, "serial", errors, Call("nvmlDeviceGetSerial", (handle,), convert=_text)
         )
         name = _text(self._required("nvmlDeviceGetName", handle))
+        mig_uuids = self._read_mig(index, handle, errors)
         for error in errors:
             log.info("GPU %d: reading %s failed: %s", index, error.field, error.message)
         return GpuInfo(
@@ -301,7 +302,26 @@ class Nvml:
             temperature_thresholds=frozen_map(thresholds),
             power_limit_watts=power_limit / 1000.0 if power_limit is not None else None,
             ecc_enabled=bool(ecc[0]) if ecc is not None else None,
+            mig_uuids=mig_uuids,
         )
+
+    def _read_mig(self, index: int, handle: Any, errors: list[SampleError]) -> tuple[str, ...]:
+        """UUIDs of the GPU's MIG devices; empty when MIG is off or not supported."""
+        mode = self._read(index, "mig_mode", errors, Call("nvmlDeviceGetMigMode", (handle,)))
+        if not mode or not mode[0]:
+            return ()
+        count = self._read(
+            index, "mig_count", errors, Call("nvmlDeviceGetMaxMigDeviceCount", (handle,))
+        )
+        found = []
+        for slot in range(count or 0):
+            try:  # an empty slot answers NotFound
+                mig = self.call("nvmlDeviceGetMigDeviceHandleByIndex", handle, slot)
+                found.append(_text(self.call("nvmlDeviceGetUUID", mig)))
+            except Exception as exc:
+                if error_name(exc) in _GPU_FATAL | _NVML_FATAL:
+                    raise GpuFailed(error_name(exc), f"MIG device {slot}: {describe(exc)}") from exc
+        return tuple(found)
 
     def _read_memory(self, index: int, handle: Any, errors: list[SampleError]) -> Any:
         calls = [Call("nvmlDeviceGetMemoryInfo", (handle,))]

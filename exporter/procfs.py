@@ -166,11 +166,12 @@ def file_identity(path: str) -> tuple[str, int, int] | None:
 
 
 def scan_fd_holders(
-    root: str, wanted: Mapping[tuple[str, int, int], str]
+    root: str, wanted: Mapping[tuple[str, int, int], str], hints: tuple[str, ...] = ("nvidia",)
 ) -> tuple[dict[str, set[int]], bool]:
     """Processes under ``root`` with an open descriptor on one of the ``wanted`` files.
 
-    ``wanted`` maps a file identity (see :func:`file_identity`) to a key (a GPU uuid). Returns the
+    ``wanted`` maps a file identity (see :func:`file_identity`) to a key (a GPU uuid); only
+    descriptors whose path contains one of ``hints`` are looked at closely. Returns the
     holders per key, and whether every process's descriptors could be read (False when some were
     not: permission denied, so the picture is incomplete). Processes that vanish mid-scan are
     simply not holders.
@@ -192,7 +193,8 @@ def scan_fd_holders(
             continue
         for fd in fds:
             try:
-                if "nvidia" not in os.readlink(fd.path):  # cheap filter before the stat
+                target = os.readlink(fd.path)
+                if not any(hint in target for hint in hints):  # cheap filter before the stat
                     continue
             except OSError:
                 continue

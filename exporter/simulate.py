@@ -127,6 +127,14 @@ def _value(number: Callable[[Any], float]) -> Callable[[Any], Value]:
     return parse
 
 
+def _mig_uuids(raw: Any) -> tuple[str, ...]:
+    if not isinstance(raw, list) or not all(
+        isinstance(item, str) and item.startswith("MIG-") for item in raw
+    ):
+        raise ValueError("expected a list of MIG device UUIDs (MIG-...)")
+    return tuple(raw)
+
+
 def _percent(ratio: float) -> int:
     """A ratio as NVML's whole percent; waves may overshoot 0-1, NVML never does."""
     return round(min(max(ratio, 0.0), 1.0) * 100)
@@ -201,6 +209,7 @@ class SimGpu:
     processes: tuple[SimProcess, ...]
     errors: tuple[InjectedError, ...]
     present: Window
+    mig_devices: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -353,6 +362,7 @@ def _gpu(section: Section, index: int) -> SimGpu:
         processes=tuple(_process(item) for item in section.sections("processes")),
         errors=_errors(section, ("*", *FIELD_FUNCTIONS)),
         present=present,
+        mig_devices=section.get("mig_devices", _mig_uuids, ()),
     )
     if gpu.memory_reserved >= gpu.memory_total:
         raise section.error("memory_reserved", "must be less than memory_total")
@@ -401,12 +411,12 @@ def load_scenario(path: str) -> Scenario:
 
 
 class _Handle:
-    """What the fake nvmlDeviceGetHandleByIndex returns."""
+    """What the fake nvmlDeviceGetHandleByIndex returns (``mig``: a MIG device's UUID)."""
 
-    __slots__ = ("gpu", "index")
+    __slots__ = ("gpu", "index", "mig")
 
-    def __init__(self, index: int, gpu: SimGpu) -> None:
-        self.index, self.gpu = index, gpu
+    def __init__(self, index: int, gpu: SimGpu, mig: str = "") -> None:
+        self.index, self.gpu, self.mig = index, gpu, mig
 
 
 def _raise(name: str) -> None:
@@ -738,7 +748,12 @@ class SimulatedDriver:
             "nvmlSystemGetCudaDriverVersion_v2": lambda: s.cuda_version,
             "nvmlDeviceGetCount": count,
             "nvmlDeviceGetHandleByIndex": handle,
-            "nvmlDeviceGetUUID": lambda h: h.gpu.uuid,
+            "nvmlDeviceGetUUID": lambda h: h.mig or h.gpu.uuid,
+            "nvmlDeviceGetMigMode": lambda h: [int(bool(h.gpu.mig_devices))] * 2,
+            "nvmlDeviceGetMaxMigDeviceCount": lambda h: len(h.gpu.mig_devices),
+            "nvmlDeviceGetMigDeviceHandleByIndex": lambda h, i: _Handle(
+                h.index, h.gpu, h.gpu.mig_devices[i]
+            ),
             "nvmlDeviceGetName": lambda h: h.gpu.name,
             "nvmlDeviceGetPciInfo": pci,
             "nvmlDeviceGetPciInfo_v3": pci,

@@ -61,6 +61,8 @@ class GpuInfo:
     temperature_thresholds: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
     power_limit_watts: float | None = None
     ecc_enabled: bool | None = None
+    #: UUIDs of the GPU's MIG devices, when MIG is enabled (``MIG-...``).
+    mig_uuids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,8 @@ class Gpu:
     #: ``corrected``, ``uncorrected`` volatile ECC error counts, where ECC is on.
     ecc_errors: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
     processes: tuple[GpuProcess, ...] | None = None
+    #: PID holding this GPU's launcher lock (None: not reserved, or no lock directory).
+    reserved_by: int | None = None
 
     def thermal_throttling(self) -> bool:
         """True while a thermal clock-event reason (SW or HW thermal slowdown) is active;

@@ -54,9 +54,14 @@ def dev(tmp_path) -> str:
     return str(root)
 
 
-def orphan_worker(pids: list[int], device: str | None, ignore_term: bool = False) -> int:
-    """A worker whose job leader (its group and session leader) has exited."""
+def orphan_worker(
+    pids: list[int], device: str | None, ignore_term: bool = False, also: str | None = None
+) -> int:
+    """A worker whose job leader (its group and session leader) has exited; it holds ``device``
+    (and the file ``also``) open."""
     hold = f"f = open({device!r})" if device else "pass"
+    if also:
+        hold += f"; g = open({also!r})"
     ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN)" if ignore_term else "pass"
     worker = f"import signal, time; {hold}; {ignore}; print('ready', flush=True); time.sleep(60)"
     leader = (
@@ -231,15 +236,25 @@ def test_protected_processes_are_never_signalled(
     user_reaper.config = replace(user_reaper.config, protect_users=(str(os.getuid()),))
     run_twice(user_reaper, collector, clock)
     assert alive(pid) and user_reaper.actions_total[("skip", "protected_user")] == 1
-    locked = ZombieReaper(
-        replace(user_reaper.config, protect_users=()),
-        ProcFs(),
-        dev,
-        audit=AuditLog(str(tmp_path / "audit.jsonl")),
-        locked_pids=lambda: {pid},
+
+
+def test_a_job_holding_a_launcher_lock_is_never_signalled(
+    simulated, collector, clock, dev, tmp_path, subreaper
+):
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    (locks / "GPU-some-gpu.lock").write_text("")
+    pid = orphan_worker(subreaper, f"{dev}/nvidia0", also=str(locks / "GPU-some-gpu.lock"))
+    simulated(scenario([f"{{pid: {pid}, memory: 2GiB}}"]))
+    config = replace(
+        ReaperConfig(protect_users=()), dry_run=False, audit_log=str(tmp_path / "audit.jsonl")
     )
+    locked = ZombieReaper(config, ProcFs(), dev, lock_dir=str(locks))
     run_twice(locked, collector, clock)
     assert alive(pid) and locked.actions_total[("skip", "launcher_lock")] == 1
+    free = ZombieReaper(config, ProcFs(), dev, lock_dir=None)  # without the lock: signalled
+    run_twice(free, collector, clock)
+    assert free.actions_total[("signal", "sigterm")] == 1
 
 
 def test_listed_process_without_descriptor_is_unverifiable_and_not_signalled(

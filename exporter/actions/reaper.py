@@ -25,7 +25,7 @@ import logging
 import os
 import select
 import signal
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from exporter.actions.audit import AuditLog
 from exporter.actions.base import Action
+from exporter.launcher.locks import SUFFIX as LOCK_SUFFIX
 from exporter.metrics import GPU_LABELS
 from exporter.procfs import ProcessInfo, ProcFs, file_identity, scan_fd_holders
 from exporter.snapshot import Gpu, Snapshot
@@ -130,6 +131,18 @@ class _Finding:
     reason: str = ""
 
 
+_LOCKS = "\0launcher locks"  # the key of lock-file holders in the descriptor scan
+
+
+def _lock_files(lock_dir: str | None) -> list[str]:
+    if not lock_dir:
+        return []
+    try:
+        return [e.path for e in os.scandir(lock_dir) if e.name.endswith(LOCK_SUFFIX)]
+    except OSError:
+        return []
+
+
 def _job_gone(procfs: ProcFs, info: ProcessInfo) -> bool:
     """Both the process-group leader and the session leader no longer exist (a reused PID that
     no longer leads that group or session counts as gone)."""
@@ -153,13 +166,14 @@ class ZombieReaper(Action):
         dev_root: str,
         *,
         audit: AuditLog | None = None,
-        locked_pids: Callable[[], Collection[int]] = frozenset,
+        lock_dir: str | None = None,
     ) -> None:
         self.config = config
         self.procfs = procfs
         self.dev_root = dev_root
         self.audit = audit or AuditLog(config.audit_log)
-        self._locked_pids = locked_pids
+        self.lock_dir = lock_dir
+        self._locked: set[int] = set()  # processes holding a launcher lock: their job is alive
         self._protected_pids = self._self_and_ancestors()
         self._suspects: dict[tuple[int, int], _Seen] = {}  # (pid, start ticks) -> first seen
         self._leaks: dict[str, _Seen] = {}  # uuid -> first seen leaking
@@ -207,7 +221,12 @@ class ZombieReaper(Action):
             identity = file_identity(f"{self.dev_root}/nvidia{gpu.info.minor_number}")  # type: ignore[union-attr]
             if identity is not None:
                 wanted[identity] = gpu.uuid
-        holders, complete = scan_fd_holders(self.procfs.root, wanted)
+        for path in _lock_files(self.lock_dir):
+            identity = file_identity(path)
+            if identity is not None:
+                wanted[identity] = _LOCKS
+        holders, complete = scan_fd_holders(self.procfs.root, wanted, ("nvidia", LOCK_SUFFIX))
+        self._locked = holders.pop(_LOCKS, set())
         findings: list[_Finding] = []
         seen_suspects: set[tuple[int, int]] = set()
         signalled = {p.pid for p in self._pending.values()}
@@ -298,7 +317,7 @@ class ZombieReaper(Action):
         users = self.config.protect_users
         if info.user in users or (info.uid is not None and str(info.uid) in users):
             return "protected_user"
-        if info.pid in self._locked_pids():
+        if info.pid in self._locked:
             return "launcher_lock"
         return ""
 

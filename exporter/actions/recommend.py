@@ -180,6 +180,13 @@ def _param_number(raw: str) -> float:
     return number(value)
 
 
+def _param_boolean(raw: str) -> bool:
+    text = raw.strip().lower()
+    if text not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(f"expected true or false, got {raw!r}")
+    return text in ("true", "1", "yes")
+
+
 _PARAMS: Mapping[str, Callable[[str], Any]] = MappingProxyType(
     {
         "count": _param_count,
@@ -187,6 +194,7 @@ _PARAMS: Mapping[str, Callable[[str], Any]] = MappingProxyType(
         "max_utilization": lambda raw: ratio(_param_number(raw)),
         "max_temperature": lambda raw: celsius(_param_number(raw)),
         "strategy": _strategy,
+        "exclusive": _param_boolean,
     }
 )
 
@@ -195,8 +203,8 @@ def policy_with(policy: Policy, params: Mapping[str, str]) -> Policy:
     """``policy`` with overrides given as strings (HTTP query, CLI flags).
 
     Known parameters: count, min_free_memory (a size like ``8GiB``), max_utilization (0-1),
-    max_temperature (celsius), strategy. Raises ValueError naming the parameter for a bad value
-    or an unknown parameter.
+    max_temperature (celsius), strategy, exclusive (true or false). Raises ValueError naming the
+    parameter for a bad value or an unknown parameter.
     """
     changes: dict[str, Any] = {}
     for key, raw in params.items():
@@ -428,11 +436,13 @@ def recommend(
     *,
     hotspots: Mapping[str, int] = _NONE,
     locked: Collection[str] = (),
+    visible: Collection[str] | None = None,
 ) -> Recommendation:
     """Rank the GPUs of the latest Snapshot under ``policy`` (rules in the module docstring).
 
     ``snapshots`` are oldest first; ``hotspots`` maps uuid -> thermal hotspot level; ``locked``
-    holds the uuids a launcher lock reserves. Ties break by lowest NVML index.
+    holds the uuids a launcher lock reserves; ``visible``, when given, the only uuids that may be
+    chosen (what ``CUDA_VISIBLE_DEVICES`` makes visible). Ties break by lowest NVML index.
     """
     latest = snapshots[-1].gpus if snapshots else ()
     qualified: list[Choice] = []
@@ -443,6 +453,9 @@ def recommend(
         if not gpu.uuid:
             continue  # never identified: it can be neither chosen nor named
         indexes[gpu.uuid] = gpu.index
+        if visible is not None and gpu.uuid not in visible:
+            rejected[gpu.uuid] = "hidden by CUDA_VISIBLE_DEVICES"
+            continue
         if not gpu.up:
             rejected[gpu.uuid] = "down"
             continue

@@ -140,15 +140,13 @@ class ActionEngine:
         dev_root: str,
         *,
         clock: Callable[[], float] = time.time,
-        locked_uuids: Callable[[], Collection[str]] = frozenset,
-        locked_pids: Callable[[], Collection[int]] = frozenset,
+        lock_dir: str | None = None,
     ) -> None:
         self.sampler = sampler
         self.procfs = procfs
         self.dev_root = dev_root
         self._clock = clock
-        self._locked_uuids = locked_uuids
-        self._locked_pids = locked_pids
+        self.lock_dir = lock_dir
         self._stats = {name: _Stats() for name in _PARSERS}
         self._locks = {name: threading.Lock() for name in _PARSERS}
         self._render_lock = threading.Lock()
@@ -182,8 +180,8 @@ class ActionEngine:
         if name == "thermal":
             return ThermalAction(options)
         if name == "recommend":
-            return RecommendAction(options, hotspots=self.hotspots, locked=self._locked_uuids)
-        return ZombieReaper(options, self.procfs, self.dev_root, locked_pids=self._locked_pids)
+            return RecommendAction(options, hotspots=self.hotspots, locked=self.reserved)
+        return ZombieReaper(options, self.procfs, self.dev_root, lock_dir=self.lock_dir)
 
     def reload(self, config: ActionsConfig) -> None:
         """Apply a new configuration: changed actions start afresh, the others keep state."""
@@ -255,6 +253,13 @@ class ActionEngine:
         self._render()
         return ok
 
+    def reserved(self) -> frozenset[str]:
+        """UUIDs of the GPUs a launcher lock holds, as of the latest Snapshot."""
+        latest = self.sampler.latest
+        if latest is None:
+            return frozenset()
+        return frozenset(g.uuid for g in latest.snapshot.gpus if g.reserved_by is not None)
+
     def hotspots(self) -> Mapping[str, int]:
         """Thermal levels by uuid (empty when the thermal action is off)."""
         thermal = self._actions.get("thermal")
@@ -264,15 +269,21 @@ class ActionEngine:
         """The configured recommendation policies by name (``default`` always among them)."""
         return self.config.actions["recommend"].options.policies
 
-    def recommend(self, policy_name: str, params: Mapping[str, str]) -> Recommendation:
-        """Recommend now for a known ``policy_name`` with query overrides; ValueError for a bad
-        parameter."""
+    def recommend(
+        self,
+        policy_name: str,
+        params: Mapping[str, str],
+        visible: Collection[str] | None = None,
+    ) -> Recommendation:
+        """Recommend now for a known ``policy_name`` with query overrides, among ``visible``
+        UUIDs when given; ValueError for a bad parameter."""
         policy = self.policies()[policy_name]
         return recommend(
             policy_with(policy, params),
             self.sampler.history(),
             hotspots=self.hotspots(),
-            locked=self._locked_uuids(),
+            locked=self.reserved(),
+            visible=visible,
         )
 
     # -- metrics ----------------------------------------------------------------------------

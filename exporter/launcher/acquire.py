@@ -1,0 +1,197 @@
+"""Choose GPUs on this host and take their locks: the race-free core of ``run`` and ``reserve``.
+
+Selection reads fresh local Snapshots (one NVML sample each, through the same Collector as the
+agent) and the lock directory. Taking the locks is the commit point; under them the chosen GPUs
+are checked again against a new Snapshot, so two launchers that both saw "GPU 2 is free" cannot
+both end up on it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TextIO
+
+from exporter.actions.recommend import Choice, Policy, Recommendation, recommend
+from exporter.collect import Collector
+from exporter.launcher.locks import Reservation, try_lock
+from exporter.launcher.visible import visible_uuids
+from exporter.nvml import Nvml
+from exporter.procfs import ProcFs
+from exporter.snapshot import Snapshot
+
+#: Exit status when fewer GPUs than asked for are available now (EX_TEMPFAIL: try again later).
+EXIT_NO_GPUS = 75
+#: Exit status when ``--wait`` ran out before enough GPUs were available (as timeout(1)).
+EXIT_WAIT_TIMEOUT = 124
+#: Seconds between two looks while waiting for GPUs.
+POLL_SECONDS = 2.0
+#: Times in a row the launcher chooses again at once after another one locked a GPU first.
+MAX_LOST_RACES = 5
+
+
+class LauncherError(Exception):
+    """The launcher cannot go on (NVML unavailable, a bad lock directory); exit 1."""
+
+
+class NoGpusAvailable(Exception):
+    """Fewer GPUs than asked for qualify; ``reasons`` says why each other GPU did not."""
+
+    def __init__(self, recommendation: Recommendation, note: str = "", timed_out: bool = False):
+        self.recommendation = recommendation
+        self.timed_out = timed_out
+        self.note = note
+        super().__init__(explain(recommendation, note))
+
+
+def explain(recommendation: Recommendation, note: str = "") -> str:
+    """Why not enough GPUs qualify: one line per rejected GPU."""
+    policy = recommendation.policy
+    lines = [
+        f"{len(recommendation.qualified)} of the {policy.count} GPU(s) asked for qualify "
+        f"(policy {policy.name!r}, strategy {policy.strategy})"
+    ]
+    for item in recommendation.to_dict()["rejected"]:
+        lines.append(f"  GPU {item['index']} ({item['uuid']}): {item['reason']}")
+    if note:
+        lines.append(f"  note: {note}")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Device:
+    """A GPU handed to a job."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_free_bytes: int | None
+    memory_total_bytes: int | None
+
+
+class LocalGpus:
+    """This host's GPUs through NVML (or a simulation), sampled on demand."""
+
+    def __init__(self, *, simulate: str | None = None, proc_root: str = "/proc", lock_dir: str):
+        self.simulate = simulate
+        self.lock_dir = lock_dir
+        self.proc_root = proc_root
+        self._driver: Any = None
+        self._collector: Collector | None = None
+
+    def __enter__(self) -> LocalGpus:
+        if self.simulate:
+            from exporter.simulate import simulate
+
+            self._driver = simulate(self.simulate)
+        self._collector = Collector(Nvml(), ProcFs(self.proc_root), lock_dir=self.lock_dir)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._collector is not None:
+            self._collector.close()
+        if self._driver is not None:
+            self._driver.uninstall()
+
+    def sample(self) -> Snapshot:
+        """One fresh Snapshot; raises LauncherError when NVML is unavailable."""
+        assert self._collector is not None, "use LocalGpus as a context manager"
+        snapshot = self._collector.sample()
+        if not snapshot.nvml_up:
+            raise LauncherError(
+                f"NVML is not available: {snapshot.nvml_error}. Is the NVIDIA driver installed "
+                "and loaded? (--simulate runs on simulated GPUs)"
+            )
+        return snapshot
+
+    def samples(self, count: int, spacing: float = 0.5) -> list[Snapshot]:
+        """``count`` Snapshots, ``spacing`` seconds apart (for a policy's window)."""
+        out = [self.sample()]
+        for _ in range(count - 1):
+            time.sleep(spacing)
+            out.append(self.sample())
+        return out
+
+
+def choose(
+    policy: Policy, snapshots: Sequence[Snapshot], visible_env: str | None, mine: int = -1
+) -> tuple[Recommendation, str]:
+    """Recommend under ``policy`` among what ``CUDA_VISIBLE_DEVICES`` shows, skipping GPUs locked
+    by other processes than ``mine`` (a pid); returns the note about ignored visible entries."""
+    latest = snapshots[-1]
+    visible, note = visible_uuids(visible_env, latest.gpus)
+    locked = {g.uuid for g in latest.gpus if g.reserved_by is not None and g.reserved_by != mine}
+    return recommend(policy, snapshots, locked=locked, visible=visible), note
+
+
+def devices(snapshot: Snapshot, chosen: Sequence[Choice]) -> list[Device]:
+    """The chosen GPUs as Devices, in the order chosen."""
+    by_uuid = {g.uuid: g for g in snapshot.gpus}
+    out = []
+    for choice in chosen:
+        gpu = by_uuid[choice.uuid]
+        total = gpu.info.memory_total_bytes if gpu.info else None
+        name = gpu.info.name if gpu.info else ""
+        out.append(Device(choice.index, choice.uuid, name, gpu.memory_free_bytes, total))
+    return out
+
+
+def acquire(
+    gpus: LocalGpus,
+    policy: Policy,
+    *,
+    visible_env: str | None,
+    wait: float | None = None,
+    stderr: TextIO = sys.stderr,
+    stop: Callable[[], bool] = lambda: False,
+) -> tuple[Reservation, list[Device]]:
+    """Choose and lock ``policy.count`` GPUs, waiting up to ``wait`` seconds (None: not at all).
+
+    Raises NoGpusAvailable when they cannot be had (``timed_out`` after a wait).
+    """
+    deadline = time.monotonic() + wait if wait else None
+    snapshots = gpus.samples(policy.window)
+    announced, lost_races = False, 0
+    while True:
+        recommendation, note = choose(policy, snapshots, visible_env)
+        if recommendation.ok:
+            held = _lock_and_check(gpus, policy, recommendation)
+            if held is not None:
+                return held
+            lost_races += 1
+            if lost_races <= MAX_LOST_RACES:  # another launcher was faster: look again at once
+                snapshots = [*snapshots[1:], gpus.sample()]
+                continue
+        if deadline is None or time.monotonic() >= deadline or stop():
+            raise NoGpusAvailable(recommendation, note, timed_out=deadline is not None)
+        if not announced:
+            stderr.write(
+                f"gpu-exporter: waiting up to {wait:g}s for {policy.count} GPU(s): "
+                + "; ".join(
+                    f"GPU {r['index']}: {r['reason']}" for r in recommendation.to_dict()["rejected"]
+                )
+                + "\n"
+            )
+            stderr.flush()
+            announced = True
+        time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+        snapshots = [*snapshots[1:], gpus.sample()] if policy.window > 1 else [gpus.sample()]
+
+
+def _lock_and_check(
+    gpus: LocalGpus, policy: Policy, recommendation: Recommendation
+) -> tuple[Reservation, list[Device]] | None:
+    chosen = [choice.uuid for choice in recommendation.chosen]
+    reservation = try_lock(gpus.lock_dir, chosen)
+    if reservation is None:
+        return None  # someone took one first: choose again
+    fresh = gpus.sample()  # under the lock: are they still good enough?
+    check = replace(policy, window=1)
+    again, _ = choose(check, [fresh], ",".join(chosen), mine=os.getpid())
+    if not again.ok:
+        reservation.release()
+        return None
+    return reservation, devices(fresh, recommendation.chosen)
