@@ -428,3 +428,31 @@ def test_visible_device_forms():
     visible, note = visible_uuids("0,GPU-aaa,1", gpus)  # an ambiguous prefix: CUDA stops there
     assert visible == {"GPU-aaaa-1"} and "'GPU-aaa'" in note
     assert visible_uuids("-1,0", gpus)[0] == set()
+
+
+def test_restart_waits_until_the_last_attempt_is_gone(host):
+    scenario, locks = host
+    log = locks.parent / "order"
+    # each attempt leaves a background process behind that keeps the lock (and so the GPU)
+    job = f"(sleep 2; echo leftover-done >> {log}) & echo attempt >> {log}; exit 1"
+    result = cli(
+        "run",
+        "--simulate",
+        str(scenario),
+        "--lock-dir",
+        str(locks),
+        "--restart",
+        "on-failure",
+        "--max-restarts",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        job,
+    )
+    assert result.returncode == 1
+    deadline = time.monotonic() + 5
+    while log.read_text().count("leftover-done") < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert log.read_text().split() == ["attempt", "leftover-done", "attempt", "leftover-done"]

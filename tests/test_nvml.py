@@ -195,3 +195,11 @@ def test_calls_are_counted(simulated):
     before = nvml.calls
     nvml.read_gpu(info)
     assert 10 <= nvml.calls - before <= 20
+
+
+def test_mig_devices_are_read_with_the_static_facts(simulated):
+    simulated("gpus:\n  - {mig_devices: [MIG-1111, MIG-2222]}\n  - {}\n")
+    nvml = Nvml()
+    nvml.init()
+    assert nvml.read_info(0).mig_uuids == ("MIG-1111", "MIG-2222")
+    assert nvml.read_info(1).mig_uuids == ()
