@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import itertools
 import math
 import os
 import shutil
@@ -77,7 +78,8 @@ _DEFAULT_CLOCKS = {"graphics": 1755.0, "sm": 1755.0, "memory": 2619.0, "video": 
 
 @dataclass(frozen=True)
 class Value:
-    """A number over scenario time: constant, a ramp (``from``/``to``/``over``) or a wave."""
+    """A number over scenario time: constant, a ramp (``from``/``to``/``over``), a wave, or a
+    line through ``points`` ((time, value) pairs, flat before the first and after the last)."""
 
     base: float
     to: float | None = None
@@ -85,8 +87,11 @@ class Value:
     over: float = 0.0
     amplitude: float = 0.0
     period: float = 0.0
+    points: tuple[tuple[float, float], ...] = ()
 
     def at(self, t: float) -> float:
+        if self.points:
+            return _through(self.points, t)
         value = self.base
         if self.to is not None:
             progress = 1.0 if self.over <= 0 else min(1.0, max(0.0, (t - self.start) / self.over))
@@ -96,16 +101,53 @@ class Value:
         return value
 
 
+def _through(points: tuple[tuple[float, float], ...], t: float) -> float:
+    if t <= points[0][0]:
+        return points[0][1]
+    for (t0, v0), (t1, v1) in itertools.pairwise(points):
+        if t <= t1:
+            return v0 + (v1 - v0) * (t - t0) / (t1 - t0) if t1 > t0 else v1
+    return points[-1][1]
+
+
+def _points(number: Callable[[Any], float], raw: Any) -> tuple[tuple[float, float], ...]:
+    if not isinstance(raw, list) or not raw:
+        raise ValueError("points must be a list of [time, value] pairs, like [[0s, 40], [10s, 90]]")
+    out = []
+    for item in raw:
+        if not isinstance(item, list) or len(item) != 2:
+            raise ValueError(f"each point is [time, value], got {item!r}")
+        out.append((parse_duration(item[0]), number(item[1])))
+    if any(b[0] < a[0] for a, b in itertools.pairwise(out)):
+        raise ValueError("points must be in time order")
+    return tuple(out)
+
+
 def _value(number: Callable[[Any], float]) -> Callable[[Any], Value]:
     def parse(raw: Any) -> Value:
         if not isinstance(raw, dict):
             return Value(number(raw))
-        unknown = set(raw) - {"from", "to", "start", "over", "base", "amplitude", "period"}
+        unknown = set(raw) - {
+            "from",
+            "to",
+            "start",
+            "over",
+            "base",
+            "amplitude",
+            "period",
+            "points",
+        }
         if unknown:
             raise ValueError(
                 f"unknown key {sorted(unknown)[0]!r} in a changing value "
-                "(use from/to/start/over for a ramp, base/amplitude/period for a wave)"
+                "(use from/to/start/over for a ramp, base/amplitude/period for a wave, "
+                "points for a line through [time, value] pairs)"
             )
+        if "points" in raw:
+            if len(raw) > 1:
+                raise ValueError("points stands alone: no other key beside it")
+            line = _points(number, raw["points"])
+            return Value(line[0][1], points=line)
         if "from" in raw or "to" in raw:
             if "from" not in raw or "to" not in raw:
                 raise ValueError("a ramp needs both 'from' and 'to'")

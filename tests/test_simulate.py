@@ -129,3 +129,15 @@ def test_spawned_processes_hold_their_device_and_orphans_lose_their_job():
     while os.path.exists(f"/proc/{orphan}") and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not os.path.exists(f"/proc/{orphan}") or ProcFs().process(orphan).state == "Z"
+
+
+def test_a_line_through_points():
+    scenario = parse(
+        "gpus:\n  - temperature: {points: [[0s, 40], [10s, 90], [20s, 90], [30s, 50]]}\n"
+    )
+    line = scenario.gpus[0].temperature
+    assert [line.at(t) for t in (-1, 0, 5, 15, 25, 30, 99)] == [40, 40, 65, 90, 70, 50, 50]
+    with pytest.raises(ConfigError, match="in time order"):
+        parse("gpus:\n  - temperature: {points: [[10s, 40], [0s, 90]]}\n")
+    with pytest.raises(ConfigError, match="stands alone"):
+        parse("gpus:\n  - temperature: {points: [[0s, 40]], base: 3}\n")
