@@ -229,6 +229,7 @@ _RESTART_ONLY = {
     "tls_key_file": "tls.key_file",
     "tls_client_ca_file": "tls.client_ca_file",
     "history": "history",
+    "lock_dir": "paths.locks",
 }
 
 
@@ -266,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {"serve": cmd_serve, "status": cmd_status, "check-config": cmd_check_config}
     try:
         if args.command in ("recommend", "run"):
+            _setup_logging("critical")  # they report failures themselves, in one line
             return launcher_cli.handle(args.command, args, _config(args))
         return handlers[args.command](args)
     except ConfigError as exc:

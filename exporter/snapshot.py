@@ -112,7 +112,8 @@ class Gpu:
     #: ``corrected``, ``uncorrected`` volatile ECC error counts, where ECC is on.
     ecc_errors: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
     processes: tuple[GpuProcess, ...] | None = None
-    #: PID holding this GPU's launcher lock (None: not reserved, or no lock directory).
+    #: PID that took this GPU's launcher lock (None: not reserved, or no lock directory). The
+    #: lock lives on in the job that inherited it, so this PID may have exited since.
     reserved_by: int | None = None
 
     def thermal_throttling(self) -> bool:

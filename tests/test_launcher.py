@@ -113,7 +113,7 @@ def test_two_jobs_get_different_gpus_a_third_waits_or_fails(host, tmp_path):
             "true",
         )
         assert waited.returncode == WAIT_TIMEOUT
-        assert waited.stderr.startswith("gpu-exporter: waiting up to 1s for 1 GPU(s)")
+        assert waited.stderr.startswith("gpu-exporter: waiting up to 1s: 0 of 1 GPU(s) qualify")
         assert waited.stderr.count("waiting up to") == 1  # one progress line
 
         with serve(tmp_path, "--simulate", str(scenario), "--lock-dir", str(locks)) as (
@@ -420,14 +420,17 @@ def test_visible_device_forms():
         Gpu(1, "GPU-aaab-2", True, GpuInfo(1, "GPU-aaab-2", mig_uuids=("MIG-xyz-1",))),
     ]
     assert visible_uuids(None, gpus) == (None, "")
-    assert visible_uuids("", gpus)[0] == set()
-    assert visible_uuids("1", gpus)[0] == {"GPU-aaab-2"}
-    assert visible_uuids("GPU-aaab", gpus)[0] == {"GPU-aaab-2"}
-    assert visible_uuids("MIG-xyz-1", gpus)[0] == {"GPU-aaab-2"}
-    assert visible_uuids("MIG-GPU-aaaa-1/1/0", gpus)[0] == {"GPU-aaaa-1"}
+    assert visible_uuids("MIG-xyz-1", gpus)[0] == {
+        "GPU-aaab-2": "MIG-xyz-1"
+    }  # CUDA needs the MIG id
+    assert set(visible_uuids("", gpus)[0]) == set()
+    assert set(visible_uuids("1", gpus)[0]) == {"GPU-aaab-2"}
+    assert set(visible_uuids("GPU-aaab", gpus)[0]) == {"GPU-aaab-2"}
+    assert set(visible_uuids("MIG-xyz-1", gpus)[0]) == {"GPU-aaab-2"}
+    assert set(visible_uuids("MIG-GPU-aaaa-1/1/0", gpus)[0]) == {"GPU-aaaa-1"}
     visible, note = visible_uuids("0,GPU-aaa,1", gpus)  # an ambiguous prefix: CUDA stops there
-    assert visible == {"GPU-aaaa-1"} and "'GPU-aaa'" in note
-    assert visible_uuids("-1,0", gpus)[0] == set()
+    assert set(visible) == {"GPU-aaaa-1"} and "'GPU-aaa'" in note
+    assert set(visible_uuids("-1,0", gpus)[0]) == set()
 
 
 def test_restart_waits_until_the_last_attempt_is_gone(host):

@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
-from exporter.actions.recommend import Choice, Policy, Recommendation, recommend
+from exporter.actions.recommend import Policy, Recommendation, recommend
 from exporter.collect import Collector
-from exporter.launcher.locks import Reservation, try_lock
+from exporter.launcher.locks import LockError, Reservation, try_lock
 from exporter.launcher.visible import visible_uuids
 from exporter.nvml import Nvml
 from exporter.procfs import ProcFs
@@ -70,6 +70,11 @@ class Device:
     name: str
     memory_free_bytes: int | None
     memory_total_bytes: int | None
+    cuda_id: str = ""  # what names it in CUDA_VISIBLE_DEVICES: its UUID, or a MIG device's
+
+    def __post_init__(self) -> None:
+        if not self.cuda_id:
+            object.__setattr__(self, "cuda_id", self.uuid)
 
 
 class LocalGpus:
@@ -116,26 +121,47 @@ class LocalGpus:
         return out
 
 
+@dataclass(frozen=True)
+class Choosing:
+    """A recommendation made on this host, with what the user should know about it."""
+
+    recommendation: Recommendation
+    note: str  # about CUDA_VISIBLE_DEVICES entries that were ignored or read as indices
+    cuda_ids: Mapping[str, str]  # GPU UUID -> what names it to CUDA (a MIG device's UUID)
+
+    def cuda_id(self, uuid: str) -> str:
+        return self.cuda_ids.get(uuid, uuid)
+
+
 def choose(
-    policy: Policy, snapshots: Sequence[Snapshot], visible_env: str | None, mine: int = -1
-) -> tuple[Recommendation, str]:
+    policy: Policy,
+    snapshots: Sequence[Snapshot],
+    visible_env: str | None,
+    *,
+    mine: int = -1,
+    unusable: Collection[str] = (),
+) -> Choosing:
     """Recommend under ``policy`` among what ``CUDA_VISIBLE_DEVICES`` shows, skipping GPUs locked
-    by other processes than ``mine`` (a pid); returns the note about ignored visible entries."""
+    by other processes than ``mine`` (a pid) and those whose lock file is ``unusable``."""
     latest = snapshots[-1]
-    visible, note = visible_uuids(visible_env, latest.gpus)
+    visible, note = visible_uuids(
+        visible_env, latest.gpus, os.environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
+    )
     locked = {g.uuid for g in latest.gpus if g.reserved_by is not None and g.reserved_by != mine}
-    return recommend(policy, snapshots, locked=locked, visible=visible), note
+    recommendation = recommend(policy, snapshots, locked=locked | set(unusable), visible=visible)
+    return Choosing(recommendation, note, visible or {})
 
 
-def devices(snapshot: Snapshot, chosen: Sequence[Choice]) -> list[Device]:
+def devices(snapshot: Snapshot, choosing: Choosing) -> list[Device]:
     """The chosen GPUs as Devices, in the order chosen."""
     by_uuid = {g.uuid: g for g in snapshot.gpus}
     out = []
-    for choice in chosen:
+    for choice in choosing.recommendation.chosen:
         gpu = by_uuid[choice.uuid]
         total = gpu.info.memory_total_bytes if gpu.info else None
         name = gpu.info.name if gpu.info else ""
-        out.append(Device(choice.index, choice.uuid, name, gpu.memory_free_bytes, total))
+        cuda_id = choosing.cuda_id(choice.uuid)
+        out.append(Device(choice.index, choice.uuid, name, gpu.memory_free_bytes, total, cuda_id))
     return out
 
 
@@ -146,7 +172,6 @@ def acquire(
     visible_env: str | None,
     wait: float | None = None,
     stderr: TextIO = sys.stderr,
-    stop: Callable[[], bool] = lambda: False,
 ) -> tuple[Reservation, list[Device]]:
     """Choose and lock ``policy.count`` GPUs, waiting up to ``wait`` seconds (None: not at all).
 
@@ -155,43 +180,62 @@ def acquire(
     deadline = time.monotonic() + wait if wait else None
     snapshots = gpus.samples(policy.window)
     announced, lost_races = False, 0
+    unusable: dict[str, str] = {}  # GPU UUID -> why its lock file cannot be used
     while True:
-        recommendation, note = choose(policy, snapshots, visible_env)
-        if recommendation.ok:
-            held = _lock_and_check(gpus, policy, recommendation)
+        choosing = choose(policy, snapshots, visible_env, unusable=unusable)
+        if choosing.recommendation.ok:
+            try:
+                held = _lock_and_check(gpus, policy, choosing)
+            except LockError as exc:
+                uuid = _uuid_in(str(exc), choosing)
+                if uuid is None or uuid in unusable:
+                    raise
+                unusable[uuid] = str(exc)
+                stderr.write(f"gpu-exporter: skipping GPU {uuid}: {exc}\n")
+                continue
             if held is not None:
                 return held
             lost_races += 1
             if lost_races <= MAX_LOST_RACES:  # another launcher was faster: look again at once
                 snapshots = [*snapshots[1:], gpus.sample()]
                 continue
-        if deadline is None or time.monotonic() >= deadline or stop():
-            raise NoGpusAvailable(recommendation, note, timed_out=deadline is not None)
-        if not announced:
-            stderr.write(
-                f"gpu-exporter: waiting up to {wait:g}s for {policy.count} GPU(s): "
-                + "; ".join(
-                    f"GPU {r['index']}: {r['reason']}" for r in recommendation.to_dict()["rejected"]
-                )
-                + "\n"
+        if deadline is None or time.monotonic() >= deadline:
+            raise NoGpusAvailable(
+                choosing.recommendation, choosing.note, timed_out=deadline is not None
             )
+        if not announced:
+            stderr.write(f"gpu-exporter: waiting up to {wait:g}s: {_short(choosing)}\n")
             stderr.flush()
             announced = True
         time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
         snapshots = [*snapshots[1:], gpus.sample()] if policy.window > 1 else [gpus.sample()]
 
 
+def _short(choosing: Choosing) -> str:
+    recommendation = choosing.recommendation
+    wanted = recommendation.policy.count
+    why = "; ".join(
+        f"GPU {r['index']}: {r['reason']}" for r in recommendation.to_dict()["rejected"]
+    )
+    summary = f"{len(recommendation.qualified)} of {wanted} GPU(s) qualify"
+    return f"{summary} ({why})" if why else summary
+
+
+def _uuid_in(message: str, choosing: Choosing) -> str | None:
+    return next((c.uuid for c in choosing.recommendation.chosen if c.uuid in message), None)
+
+
 def _lock_and_check(
-    gpus: LocalGpus, policy: Policy, recommendation: Recommendation
+    gpus: LocalGpus, policy: Policy, choosing: Choosing
 ) -> tuple[Reservation, list[Device]] | None:
-    chosen = [choice.uuid for choice in recommendation.chosen]
+    chosen = [choice.uuid for choice in choosing.recommendation.chosen]
     reservation = try_lock(gpus.lock_dir, chosen)
     if reservation is None:
         return None  # someone took one first: choose again
     fresh = gpus.sample()  # under the lock: are they still good enough?
     check = replace(policy, window=1)
-    again, _ = choose(check, [fresh], ",".join(chosen), mine=os.getpid())
-    if not again.ok:
+    again = choose(check, [fresh], ",".join(chosen), mine=os.getpid())
+    if not again.recommendation.ok:
         reservation.release()
         return None
-    return reservation, devices(fresh, recommendation.chosen)
+    return reservation, devices(fresh, choosing)

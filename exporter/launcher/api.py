@@ -16,15 +16,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any
 
-from exporter.actions.recommend import Policy
+from exporter.actions.recommend import Policy, policy_with
 from exporter.config import load_config
 from exporter.launcher.acquire import Device, LocalGpus, acquire, choose, devices
 from exporter.launcher.locks import default_lock_dir
 from exporter.launcher.run import job_environment
-from exporter.units import parse_duration, parse_size
+from exporter.units import parse_duration
 
 __all__ = ["Device", "policy_for", "reserve", "select_devices"]
 
@@ -44,18 +43,15 @@ def policy_for(
     policies = load_config(config).actions.actions["recommend"].options.policies
     if policy not in policies:
         raise ValueError(f"no policy {policy!r} (known: {', '.join(sorted(policies))})")
-    changes: dict[str, Any] = {"count": count}
-    if min_free_memory is not None:
-        changes["min_free_memory"] = parse_size(min_free_memory)
-    for key, value in (
-        ("max_utilization", max_utilization),
-        ("max_temperature", max_temperature),
-        ("exclusive", exclusive),
-        ("strategy", strategy),
-    ):
-        if value is not None:
-            changes[key] = value
-    return replace(policies[policy], **changes)
+    changes = {  # as strings, so they are checked exactly as the command line's flags are
+        "count": count,
+        "min_free_memory": min_free_memory,
+        "max_utilization": max_utilization,
+        "max_temperature": max_temperature,
+        "exclusive": exclusive,
+        "strategy": strategy,
+    }
+    return policy_with(policies[policy], {k: str(v) for k, v in changes.items() if v is not None})
 
 
 def select_devices(
@@ -74,10 +70,10 @@ def select_devices(
     policy = policy_for(count, **filters)
     with LocalGpus(simulate=simulate, lock_dir=lock_dir or default_lock_dir()) as gpus:
         snapshots = gpus.samples(policy.window)
-        recommendation, note = choose(policy, snapshots, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    if not recommendation.ok:
-        raise NoGpusAvailable(recommendation, note)
-    return devices(snapshots[-1], recommendation.chosen)
+        choosing = choose(policy, snapshots, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if not choosing.recommendation.ok:
+        raise NoGpusAvailable(choosing.recommendation, choosing.note)
+    return devices(snapshots[-1], choosing)
 
 
 @contextmanager

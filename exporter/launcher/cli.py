@@ -15,7 +15,7 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from exporter.actions.recommend import Policy, Recommendation, policy_with
@@ -23,6 +23,7 @@ from exporter.config import Config
 from exporter.launcher.acquire import (
     EXIT_NO_GPUS,
     EXIT_WAIT_TIMEOUT,
+    Device,
     LauncherError,
     LocalGpus,
     NoGpusAvailable,
@@ -66,12 +67,15 @@ def add_selection_flags(parser: argparse.ArgumentParser) -> None:
 def _policy(config: Config, args: argparse.Namespace) -> Policy:
     policies = config.actions.actions["recommend"].options.policies
     if args.policy not in policies:
-        raise UsageError(
-            f"--policy: no policy {args.policy!r} (known: {', '.join(sorted(policies))})"
-        )
-    overrides = _overrides(args)
+        known = ", ".join(sorted(policies))
+        raise UsageError(f"--policy: no policy {args.policy!r} (known: {known})")
+    return _with_flags(policies[args.policy], args)
+
+
+def _with_flags(policy: Policy, args: argparse.Namespace) -> Policy:
+    """``policy`` with the selection flags applied; UsageError naming the flag on a bad value."""
     try:
-        return policy_with(policies[args.policy], overrides)
+        return policy_with(policy, _overrides(args))
     except ValueError as exc:
         name, _, why = str(exc).partition(": ")
         raise UsageError(f"{_FLAGS.get(name, name)}: {why or exc}") from None
@@ -95,17 +99,20 @@ def _lock_dir(config: Config) -> str:
         raise LauncherError(str(exc)) from None
 
 
-def _print_choice(recommendation: Recommendation, fmt: str) -> None:
-    chosen = recommendation.chosen
-    uuids = ",".join(c.uuid for c in chosen)
+def _print_choice(recommendation: Recommendation, fmt: str, cuda_ids: Mapping[str, str]) -> None:
+    chosen = [
+        Device(c.index, c.uuid, "", None, None, cuda_ids.get(c.uuid, c.uuid))
+        for c in recommendation.chosen
+    ]
+    env = job_environment(chosen)
     if fmt == "uuid":
-        print(uuids)
+        print(env["CUDA_VISIBLE_DEVICES"])
     elif fmt == "index":
-        print(",".join(str(c.index) for c in chosen))
+        print(env["GPU_EXPORTER_GPUS"])
     elif fmt == "json":
         print(json.dumps(recommendation.to_dict(), indent=1))
     else:
-        for key, value in job_environment(chosen).items():
+        for key, value in env.items():
             print(f"export {key}={value}")
 
 
@@ -113,21 +120,24 @@ def cmd_recommend(args: argparse.Namespace, config: Config) -> int:
     """Print the GPUs to use, or why there are not enough (exit 75)."""
     if args.format not in FORMATS:
         raise UsageError(f"--format: one of {', '.join(FORMATS)}, got {args.format!r}")
-    policy = _policy(config, args)
     visible_env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if args.source:
+    cuda_ids: Mapping[str, str] = {}
+    if args.source:  # the agent knows its own policies: check only the flags' values here
+        _with_flags(Policy("flags"), args)
         recommendation, note = _from_agent(args.source, args.policy, _overrides(args), visible_env)
     else:
+        policy = _policy(config, args)
         with LocalGpus(
             simulate=config.simulate, proc_root=config.proc_root, lock_dir=_lock_dir(config)
         ) as gpus:
-            recommendation, note = choose(policy, gpus.samples(policy.window), visible_env)
+            choosing = choose(policy, gpus.samples(policy.window), visible_env)
+        recommendation, note, cuda_ids = choosing.recommendation, choosing.note, choosing.cuda_ids
     if note:
         print(f"gpu-exporter: {note}", file=sys.stderr)
     if not recommendation.ok:
         print(f"gpu-exporter: {explain(recommendation)}", file=sys.stderr)
         return EXIT_NO_GPUS
-    _print_choice(recommendation, args.format)
+    _print_choice(recommendation, args.format, cuda_ids)
     return 0
 
 

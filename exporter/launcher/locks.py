@@ -35,12 +35,15 @@ def default_lock_dir() -> str:
         return SYSTEM_LOCK_DIR
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     base = os.path.join(runtime, "gpu-exporter") if runtime else f"/tmp/gpu-exporter-{os.getuid()}"
-    os.makedirs(base, mode=0o700, exist_ok=True)
-    info = os.lstat(base)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
-        raise LockError(f"{base} is not a private directory of this user; refusing to use it")
     path = os.path.join(base, "locks")
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    try:
+        os.makedirs(base, mode=0o700, exist_ok=True)
+        info = os.lstat(base)  # another user may have made it first, or planted a link
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+            raise LockError(f"{base} is not a private directory of this user; refusing to use it")
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise LockError(f"cannot make the lock directory {path}: {exc.strerror}") from None
     return path
 
 
@@ -48,6 +51,7 @@ def _ensure_system_dir() -> bool:
     try:
         if not os.path.isdir(SYSTEM_LOCK_DIR):
             os.makedirs(SYSTEM_LOCK_DIR, mode=0o755, exist_ok=True)
+            os.chmod(os.path.dirname(SYSTEM_LOCK_DIR), 0o755)  # whatever root's umask is
             os.chmod(SYSTEM_LOCK_DIR, 0o1777)  # anyone may lock; only a file's owner may remove it
     except OSError:
         return False
@@ -74,8 +78,9 @@ def _open(path: str) -> int:
         try:
             fd = os.open(path, flags)
         except FileNotFoundError:
-            try:  # created 0644: everyone must be able to open it to flock it
+            try:
                 fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+                os.fchmod(fd, 0o644)  # whatever the umask: everyone must be able to open it
             except FileExistsError:
                 continue  # someone else created it just now: open theirs
         except OSError as exc:
@@ -123,6 +128,11 @@ def try_lock(lock_dir: str, uuids: Iterable[str]) -> Reservation | None:
                 for held in taken:
                     os.close(held)
                 return None
+            except OSError as exc:  # a filesystem without flock (some NFS setups)
+                os.close(fd)
+                raise LockError(
+                    f"cannot lock {lock_path(lock_dir, uuid)}: {exc.strerror}"
+                ) from None
             taken.append(fd)
     except BaseException:
         for held in taken:

@@ -57,7 +57,7 @@ class _Identified(Protocol):
 def job_environment(devices: Sequence[_Identified]) -> dict[str, str]:
     """What a job needs to see exactly its GPUs, numbered as NVML numbers them."""
     return {
-        "CUDA_VISIBLE_DEVICES": ",".join(d.uuid for d in devices),
+        "CUDA_VISIBLE_DEVICES": ",".join(getattr(d, "cuda_id", "") or d.uuid for d in devices),
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "GPU_EXPORTER_GPUS": ",".join(str(d.index) for d in devices),
     }
@@ -166,11 +166,13 @@ class Supervisor:
         """Wait under the lock until the last attempt's GPU memory is released; '' when it is.
 
         Released means: no process of the job is left (none holds our lock descriptors but us),
-        and NVML lists no process on our GPUs that has exited (its memory is still being freed).
+        and NVML no longer lists any process of it on our GPUs (the driver frees a context a
+        little after its process ends).
         """
         deadline = time.monotonic() + self.options.release_timeout
         mine = {d.uuid for d in self.devices}
         locks = {file_identity(lock_path(self.gpus.lock_dir, uuid)): "job" for uuid in mine}
+        job = {self._child.pid} if self._child is not None else set()
         while True:
             snapshot = self.gpus.sample()
             by_uuid = {g.uuid: g for g in snapshot.gpus}
@@ -180,8 +182,9 @@ class Supervisor:
                     return f"GPU {uuid} is down or lost ({gpu.error if gpu else 'gone'})"
             holders, _ = scan_fd_holders(self.gpus.proc_root, locks, (LOCK_SUFFIX,))  # type: ignore[arg-type]
             left = holders.get("job", set()) - {os.getpid()}
-            exited = [p.pid for u in mine for p in by_uuid[u].processes or () if not p.visible]
-            if not left and not exited:
+            job |= left  # every process seen holding the job's locks is the job's
+            listed = [p.pid for u in mine for p in by_uuid[u].processes or () if p.pid in job]
+            if not left and not listed:
                 return ""
             if time.monotonic() >= deadline:
                 limit = self.options.release_timeout

@@ -14,19 +14,32 @@ from collections.abc import Sequence
 from exporter.snapshot import Gpu
 
 
-def visible_uuids(value: str | None, gpus: Sequence[Gpu]) -> tuple[set[str] | None, str]:
-    """(the UUIDs ``value`` makes visible or None for all, a note when an entry was ignored)."""
+def visible_uuids(
+    value: str | None, gpus: Sequence[Gpu], order: str | None = "PCI_BUS_ID"
+) -> tuple[dict[str, str] | None, str]:
+    """The GPUs ``value`` makes visible (None: all), each GPU UUID mapped to what names it to
+    CUDA (a MIG entry names the MIG device, not its parent), and a note for the user."""
     if value is None:
         return None, ""
     by_index = {gpu.index: gpu for gpu in gpus}
-    visible: set[str] = set()
-    for entry in (part.strip() for part in value.split(",")):
+    visible: dict[str, str] = {}
+    notes = []
+    entries = [part.strip() for part in value.split(",")]
+    if order != "PCI_BUS_ID" and any(entry.isdigit() for entry in entries):
+        notes.append(
+            "CUDA_VISIBLE_DEVICES holds indices but CUDA_DEVICE_ORDER is not PCI_BUS_ID; "
+            "they are read in PCI bus order, as NVML numbers GPUs"
+        )
+    for entry in entries:
         uuid = _resolve(entry, gpus, by_index)
         if uuid is None:
-            note = f"CUDA_VISIBLE_DEVICES: {entry!r} names no GPU here; it and what follows hide"
-            return visible, note if entry else ""
-        visible.add(uuid)
-    return visible, ""
+            if entry:
+                notes.append(
+                    f"CUDA_VISIBLE_DEVICES: {entry!r} names no GPU here; it hides the rest"
+                )
+            break
+        visible.setdefault(uuid, entry if entry.startswith("MIG-") else uuid)
+    return visible, "; ".join(notes)
 
 
 def _resolve(entry: str, gpus: Sequence[Gpu], by_index: dict[int, Gpu]) -> str | None:
