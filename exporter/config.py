@@ -1,8 +1,9 @@
 """The agent's settings: defaults, YAML file, environment variables and flags, in that order.
 
-Every setting has a YAML key, a flag and an environment variable (``GPU_EXPORTER_`` + the key in
-upper case, dots as underscores). Flags override variables, which override the file. Each bad
-value raises ConfigError naming where it came from (file:line, flag or variable) and why.
+Every setting has a YAML key, a flag and an environment variable: ``GPU_EXPORTER_`` + the key in
+upper case, dots as underscores (``paths.locks`` alone is ``GPU_EXPORTER_LOCK_DIR``). Flags
+override variables, which override the file. Each bad value raises ConfigError naming where it
+came from (file:line, flag or variable) and why.
 """
 
 from __future__ import annotations
