@@ -2,7 +2,8 @@
 #
 #   docker build -t gpu-exporter .
 #   docker run --rm --gpus all --pid=host --read-only -p 9402:9402 gpu-exporter
-#   docker run --rm --read-only -p 9402:9402 gpu-exporter serve --simulate   # no GPU needed
+#   docker run --rm --read-only --tmpfs /tmp -p 9402:9402 gpu-exporter serve --simulate
+#       (no GPU needed; the simulation needs a writable /tmp for its stand-in device nodes)
 #
 # The NVIDIA driver's libnvidia-ml.so is not in the image: the NVIDIA Container Toolkit mounts it
 # (and the /dev/nvidia* devices) when the container is started with --gpus.
@@ -26,9 +27,16 @@ LABEL org.opencontainers.image.title="gpu-exporter" \
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 
+# The wheels are installed by file name: exactly what the builder resolved, nothing from an index.
 COPY --from=builder /wheels /tmp/wheels
-RUN pip install --no-cache-dir --no-index --find-links=/tmp/wheels gpu-exporter \
+RUN pip install --no-cache-dir --no-index /tmp/wheels/*.whl \
     && rm -rf /tmp/wheels
+
+# The launchers' shared lock directory, root-owned and sticky like /tmp. The agent only reads it
+# (which locks are held); shipping it means a --read-only container, where the agent cannot create
+# it, still has one. Mount the host's /run/gpu-exporter/locks over it to see the host's launchers.
+RUN mkdir -p /run/gpu-exporter/locks \
+    && chmod 1777 /run/gpu-exporter/locks
 
 # nobody:nogroup. NVML needs no root; reading other users' /proc/PID/{stat,cmdline,cgroup} works
 # as any user unless /proc is mounted with hidepid.

@@ -167,38 +167,40 @@ def file_identity(path: str) -> tuple[str, int, int] | None:
 
 def scan_fd_holders(
     root: str, wanted: Mapping[tuple[str, int, int], str], hints: tuple[str, ...] = ("nvidia",)
-) -> tuple[dict[str, set[int]], bool]:
+) -> tuple[dict[str, set[int]], set[int]]:
     """Processes under ``root`` with an open descriptor on one of the ``wanted`` files.
 
     ``wanted`` maps a file identity (see :func:`file_identity`) to a key (a GPU uuid); only
-    descriptors whose path contains one of ``hints`` are looked at closely. Returns the
-    holders per key, and whether every process's descriptors could be read (False when some were
-    not: permission denied, so the picture is incomplete). Processes that vanish mid-scan are
-    simply not holders.
+    descriptors whose path contains one of ``hints`` are looked at closely. Returns the holders
+    per key, and the PIDs whose descriptors could not be read (permission denied: what they
+    hold is unknown). Processes that vanish mid-scan are simply not holders.
     """
     holders: dict[str, set[int]] = {}
-    complete = True
+    unreadable: set[int] = set()
     try:
         entries = [entry.name for entry in os.scandir(root) if entry.name.isdigit()]
     except OSError:
-        return holders, False
+        return holders, {0}  # no process list at all: nothing is known
     for name in entries:
-        fd_dir = f"{root}/{name}/fd"
+        pid = int(name)
         try:
-            fds = list(os.scandir(fd_dir))
+            fds = list(os.scandir(f"{root}/{name}/fd"))
         except FileNotFoundError:
             continue
         except OSError:
-            complete = False
+            unreadable.add(pid)
             continue
         for fd in fds:
             try:
                 target = os.readlink(fd.path)
-                if not any(hint in target for hint in hints):  # cheap filter before the stat
-                    continue
-            except OSError:
+            except FileNotFoundError:
+                continue  # closed, or the process ended, meanwhile
+            except OSError:  # listed but not readable (CAP_DAC_READ_SEARCH without SYS_PTRACE)
+                unreadable.add(pid)
+                break
+            if not any(hint in target for hint in hints):  # cheap filter before the stat
                 continue
             key = wanted.get(file_identity(fd.path))  # type: ignore[arg-type]
             if key is not None:
-                holders.setdefault(key, set()).add(int(name))
-    return holders, complete
+                holders.setdefault(key, set()).add(pid)
+    return holders, unreadable

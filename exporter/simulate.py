@@ -518,10 +518,18 @@ class SimulatedDriver:
         if self._saved:
             return self
         self._t0 = self.clock()
-        self.dev_root = tempfile.mkdtemp(prefix="gpu-exporter-sim-dev-")
-        for gpu in self.scenario.gpus:
-            with open(os.path.join(self.dev_root, f"nvidia{gpu.minor_number}"), "w"):
-                pass
+        try:
+            self.dev_root = tempfile.mkdtemp(prefix="gpu-exporter-sim-dev-")
+            for gpu in self.scenario.gpus:
+                with open(os.path.join(self.dev_root, f"nvidia{gpu.minor_number}"), "w"):
+                    pass
+        except OSError as exc:
+            raise ConfigError(
+                "simulation",
+                "",
+                f"cannot make the simulated device nodes in {tempfile.gettempdir()}: "
+                f"{exc.strerror} (set TMPDIR to a writable folder)",
+            ) from None
         fakes = self._fakes()
         for name in dir(pynvml):
             if _calls_library(getattr(pynvml, name)) or name in fakes:

@@ -114,8 +114,9 @@ def test_spawned_processes_hold_their_device_and_orphans_lose_their_job():
     try:
         held, orphan, free = (driver._pids[(0, i)] for i in range(3))
         device = file_identity(f"{driver.dev_root}/nvidia0")
-        holders, complete = scan_fd_holders("/proc", {device: "gpu0"})
-        assert complete and holders["gpu0"] == {held, orphan}
+        holders, unreadable = scan_fd_holders("/proc", {device: "gpu0"})
+        assert holders["gpu0"] == {held, orphan}
+        assert not {held, orphan, free} & unreadable
         procfs = ProcFs()
         info = procfs.process(orphan)
         assert info.cmdline[:2] == (info.cmdline[0], "-c")  # the program itself, not the shell

@@ -225,7 +225,9 @@ class ZombieReaper(Action):
             identity = file_identity(path)
             if identity is not None:
                 wanted[identity] = _LOCKS
-        holders, complete = scan_fd_holders(self.procfs.root, wanted, ("nvidia", LOCK_SUFFIX))
+        holders, unreadable = scan_fd_holders(self.procfs.root, wanted, ("nvidia", LOCK_SUFFIX))
+        # PID 1 (init, or a container's sandbox) never holds a GPU; some sandboxes hide its fds
+        complete = not unreadable - {1}
         self._locked = holders.pop(_LOCKS, set())
         findings: list[_Finding] = []
         seen_suspects: set[tuple[int, int]] = set()
@@ -240,7 +242,9 @@ class ZombieReaper(Action):
                     continue
                 if pid in ended:  # NVML may list it a little longer; not a new finding
                     continue
-                finding = self._classify_one(gpu, pid, pid in listed, pid in holding, complete)
+                finding = self._classify_one(
+                    gpu, pid, pid in listed, pid in holding, pid not in unreadable
+                )
                 if finding is None:
                     continue
                 if finding.cls == "orphan":
@@ -257,7 +261,7 @@ class ZombieReaper(Action):
         return findings
 
     def _classify_one(
-        self, gpu: Gpu, pid: int, listed: bool, holding: bool, complete: bool
+        self, gpu: Gpu, pid: int, listed: bool, holding: bool, readable: bool
     ) -> _Finding | None:
         info = self.procfs.process(pid)
         if info is None:
@@ -271,7 +275,7 @@ class ZombieReaper(Action):
         if info.state == "D":
             return _Finding(gpu, pid, "uninterruptible", info, "in uninterruptible sleep (D)")
         if not holding:
-            why = "holds no descriptor on the GPU" if complete else "descriptors not readable"
+            why = "holds no descriptor on the GPU" if readable else "descriptors not readable"
             return _Finding(gpu, pid, "unverifiable", info, f"listed by NVML, {why}")
         if _job_gone(self.procfs, info):
             return _Finding(

