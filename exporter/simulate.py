@@ -263,6 +263,10 @@ class Scenario:
     call_latency: float
     errors: tuple[InjectedError, ...]
     gpus: tuple[SimGpu, ...]
+    #: What a pynvml function the simulation does not implement answers: ``FunctionNotFound``
+    #: (a driver without it) or ``NotSupported`` (a driver that has it, for a GPU without the
+    #: feature; it then costs ``call_latency`` like any call, which keeps benchmarks fair).
+    unimplemented: str = "FunctionNotFound"
 
 
 def _window(section: Section) -> Window:
@@ -433,6 +437,7 @@ def parse_scenario(root: Section) -> Scenario:
         nvml_version=driver.get("nvml_version", str, "12.550.54.15"),
         missing_functions=driver.get("missing_functions", functions, frozenset()),
         call_latency=driver.get("call_latency", parse_duration, 0.0),
+        unimplemented=driver.get("unimplemented", _unimplemented, "FunctionNotFound"),
         errors=_errors(driver, DRIVER_FIELDS),
         gpus=tuple(_gpu(item, i) for i, item in enumerate(root.sections("gpus"))),
     )
@@ -461,8 +466,99 @@ class _Handle:
         self.index, self.gpu, self.mig = index, gpu, mig
 
 
+def _pay(latency: float) -> None:
+    """Spend ``latency`` seconds as a driver call would (sleep is too coarse for microseconds)."""
+    if latency:
+        until = time.perf_counter() + latency
+        while time.perf_counter() < until:
+            pass
+
+
+def _unimplemented(raw: Any) -> str:
+    if raw not in ("FunctionNotFound", "NotSupported"):
+        raise ValueError(f"expected FunctionNotFound or NotSupported, got {raw!r}")
+    return str(raw)
+
+
 def _raise(name: str) -> None:
     raise getattr(pynvml, f"NVMLError_{name}")()
+
+
+def _c_symbols(
+    fakes: dict[str, Callable[..., Any]], missing: frozenset[str]
+) -> dict[str, Callable[..., int]]:
+    """C-style stand-ins for the NVML symbols some tools call directly: they fill the ctypes
+    out-parameters from the Python fakes and return NVML return codes instead of raising."""
+
+    def c_call(fill: Callable[..., None]) -> Callable[..., int]:
+        def symbol(*args: Any) -> int:
+            try:
+                return fill(*args) or pynvml.NVML_SUCCESS
+            except pynvml.NVMLError as exc:
+                return exc.value
+
+        return symbol
+
+    def processes(name: str) -> Callable[..., int]:
+        def fill(handle: Any, count_ref: Any, array: Any) -> int:
+            listed = fakes[name](handle)
+            count = count_ref._obj
+            if array is None or len(array) < len(listed):
+                count.value = len(listed)
+                return pynvml.NVML_ERROR_INSUFFICIENT_SIZE if listed else pynvml.NVML_SUCCESS
+            for item, proc in zip(array, listed, strict=False):
+                for key, value in vars(proc).items():
+                    if hasattr(item, key):
+                        setattr(item, key, value)
+            count.value = len(listed)
+            return pynvml.NVML_SUCCESS
+
+        return c_call(fill)
+
+    def memory(versioned: bool) -> Callable[..., int]:
+        def fill(handle: Any, ref: Any) -> None:
+            out = ref._obj
+            got = fakes["nvmlDeviceGetMemoryInfo"](
+                handle, version=out.version if versioned else None
+            )
+            for key, _ in got._fields_:
+                if key != "version":
+                    setattr(out, key, getattr(got, key))
+
+        return c_call(fill)
+
+    def field_values(handle: Any, count: Any, ref: Any) -> None:
+        values = ref._obj
+        got = fakes["nvmlDeviceGetFieldValues"](
+            handle, [values[i].fieldId for i in range(count.value)]
+        )
+        for i in range(count.value):
+            values[i].valueType, values[i].nvmlReturn = got[i].valueType, got[i].nvmlReturn
+            values[i].value = got[i].value
+
+    def no_mps(handle: Any, count_ref: Any, array: Any) -> None:
+        count_ref._obj.value = 0  # the simulation runs no MPS server
+
+    def temperature_v(handle: Any, ref: Any) -> None:
+        ref._obj.temperature = fakes["nvmlDeviceGetTemperatureV"](handle, ref._obj.sensorType)
+
+    def temperature(handle: Any, sensor: Any, ref: Any) -> None:
+        ref._obj.value = fakes["nvmlDeviceGetTemperature"](handle, getattr(sensor, "value", sensor))
+
+    shims = {
+        "nvmlDeviceGetMemoryInfo": memory(False),
+        "nvmlDeviceGetMemoryInfo_v2": memory(True),
+        "nvmlDeviceGetFieldValues": c_call(field_values),
+        "nvmlDeviceGetTemperatureV": c_call(temperature_v),
+        "nvmlDeviceGetTemperature": c_call(temperature),
+    }
+    for version in ("_v2", "_v3"):
+        for kind in ("Compute", "Graphics"):
+            name = f"nvmlDeviceGet{kind}RunningProcesses{version}"
+            if name in fakes:
+                shims[name] = processes(name)
+        shims[f"nvmlDeviceGetMPSComputeRunningProcesses{version}"] = c_call(no_mps)
+    return {name: shim for name, shim in shims.items() if name not in missing}
 
 
 def _calls_library(obj: Any) -> bool:
@@ -534,12 +630,25 @@ class SimulatedDriver:
         for name in dir(pynvml):
             if _calls_library(getattr(pynvml, name)) or name in fakes:
                 self._saved[name] = getattr(pynvml, name)
+        installed = {}
         for name in set(self._saved) | set(fakes):
             if name in self.scenario.missing_functions or name not in fakes:
                 fake = self._missing(name)
             else:
-                fake = self._counted(name, fakes[name])
+                fake = installed[name] = self._counted(name, fakes[name])
             setattr(pynvml, name, fake)
+        # Tools that call the C symbols themselves (nvitop does, for the process and memory
+        # structs) get them from here, on top of the same fakes.
+        shims = _c_symbols(installed, self.scenario.missing_functions)
+        self._saved["_nvmlGetFunctionPointer"] = pynvml._nvmlGetFunctionPointer
+
+        def function_pointer(symbol: str) -> Callable[..., int]:
+            if symbol not in shims:
+                _raise("FunctionNotFound")
+            return shims[symbol]
+
+        function_pointer.__module__ = __name__
+        pynvml._nvmlGetFunctionPointer = function_pointer
         self._spawn()
         return self
 
@@ -628,9 +737,15 @@ class SimulatedDriver:
         return child.pid
 
     def _missing(self, name: str) -> Callable[..., Any]:
+        answer = self.scenario.unimplemented
+        if name in self.scenario.missing_functions:
+            answer = "FunctionNotFound"  # named missing: the driver lacks it, whatever the default
+
         def missing(*args: Any, **kwargs: Any) -> Any:
             self.calls[name] += 1
-            _raise("FunctionNotFound")
+            if answer != "FunctionNotFound":
+                _pay(self.scenario.call_latency)
+            _raise(answer)
 
         missing.__module__ = __name__
         return missing
@@ -641,10 +756,7 @@ class SimulatedDriver:
 
         def fake(*args: Any, **kwargs: Any) -> Any:
             self.calls[name] += 1
-            if latency:
-                until = time.perf_counter() + latency
-                while time.perf_counter() < until:
-                    pass
+            _pay(latency)
             t = self.now()
             if not self._initialized and name not in _LIFECYCLE:
                 _raise("Uninitialized")

@@ -142,3 +142,27 @@ def test_a_line_through_points():
         parse("gpus:\n  - temperature: {points: [[10s, 40], [0s, 90]]}\n")
     with pytest.raises(ConfigError, match="stands alone"):
         parse("gpus:\n  - temperature: {points: [[0s, 40]], base: 3}\n")
+
+
+def test_c_symbols_serve_pynvmls_own_struct_code():
+    """Tools that call NVML's C symbols (nvitop does) get the same simulated answers."""
+    driver = SimulatedDriver(
+        parse(
+            "gpus: [{memory_total: 80GiB, memory_reserved: 1GiB,"
+            " processes: [{pid: self, memory: 2GiB}]}]\n"
+        )
+    ).install()
+    try:
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        real = driver._saved  # pynvml's own functions, which call the C symbols
+        (proc,) = real["nvmlDeviceGetComputeRunningProcesses_v3"](handle)
+        assert (proc.pid, proc.usedGpuMemory) == (os.getpid(), 2 * 1024**3)
+        memory = real["nvmlDeviceGetMemoryInfo"](handle, version=pynvml.nvmlMemory_v2)
+        assert (memory.total, memory.reserved, memory.used) == (80 * 1024**3, 1024**3, 2 * 1024**3)
+        assert real["nvmlDeviceGetTemperature"](handle, 0) == 35
+        assert real["nvmlDeviceGetMPSComputeRunningProcesses_v3"](handle) == []
+        with pytest.raises(pynvml.NVMLError_FunctionNotFound):
+            pynvml._nvmlGetFunctionPointer("nvmlDeviceGetBAR1MemoryInfo")
+    finally:
+        driver.uninstall()
