@@ -141,3 +141,34 @@ def test_hung_sample_keeps_serving_reports_stale_and_recovers(agent):
     wait_for(lambda: sampler.health().ok, timeout=5)
     assert agent.get("/healthz")[0] == 200
     assert sampler.stats.deadline_exceeded_total >= 1
+
+
+def test_no_route_calls_nvml_or_procfs(simulated, collector, clock, monkeypatch):
+    """Scrapes, /snapshot and /recommend read the published Snapshot only."""
+    from exporter.actions.scheduler import ActionEngine, ActionsConfig
+    from exporter.procfs import ProcFs
+
+    driver = simulated(SCENARIO)
+    sampler = Sampler(collector, interval=60, deadline=60, monotonic=clock)
+    sampler.sample_once()
+    engine = ActionEngine(sampler, ActionsConfig(), ProcFs(), "/nonexistent")
+    reads = []
+    real_open = open
+
+    def counting_open(path, *args, **kwargs):
+        if str(path).startswith("/proc"):
+            reads.append(path)
+        return real_open(path, *args, **kwargs)
+
+    server = serve(App(sampler, engine), "127.0.0.1", 0)
+    try:
+        calls = sum(driver.calls.values())
+        monkeypatch.setattr("builtins.open", counting_open)
+        agent = Agent(sampler, server.port)
+        for path in ("/metrics", "/snapshot", "/recommend", "/healthz", "/") * 40:
+            assert agent.get(path)[0] in (200, 409)
+        monkeypatch.undo()
+        assert sum(driver.calls.values()) == calls
+        assert reads == []
+    finally:
+        server.close()
