@@ -134,7 +134,9 @@ class Collector:
             self._last_known.clear()
             self._count = count
         seen: dict[int, ProcessInfo | None] = {}  # procfs is read once per pid per sample
-        return tuple(self._sample_gpu(index, errors, seen) for index in range(count))
+        gpus = tuple(self._sample_gpu(index, errors, seen) for index in range(count))
+        self.procfs.retain(set(seen))
+        return gpus
 
     def _sample_gpu(
         self, index: int, errors: list[SampleError], seen: dict[int, ProcessInfo | None]

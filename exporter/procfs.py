@@ -65,6 +65,14 @@ class ProcFs:
         self._ticks_per_second = os.sysconf("SC_CLK_TCK")
         self._boot_time: float | None = None
         self._users: dict[int, str] = {}
+        #: pid -> (start ticks, comm, cmdline, container id, pod uid): what stays the same for
+        #: the life of a process (past its exec), so it is read once, not every sample.
+        self._lasting: dict[int, tuple[int, str, tuple[str, ...], str, str]] = {}
+
+    def retain(self, pids: set[int]) -> None:
+        """Forget what was remembered about processes other than ``pids``."""
+        for pid in [pid for pid in self._lasting if pid not in pids]:
+            del self._lasting[pid]
 
     def _path(self, pid: int, name: str) -> str:
         return f"{self.root}/{pid}/{name}"
@@ -122,10 +130,15 @@ class ProcFs:
             uid: int | None = os.stat(f"{self.root}/{pid}").st_uid
         except OSError:
             uid = None
-        raw_cmdline = self._read(pid, "cmdline") or b""
-        cmdline = tuple(_decode(part) for part in raw_cmdline.split(b"\0") if part)
-        cgroup = self._read(pid, "cgroup")
-        container, pod = parse_cgroup(_decode(cgroup)) if cgroup else ("", "")
+        known = self._lasting.get(pid)
+        if known is not None and known[:2] == (start_ticks, comm):
+            cmdline, container, pod = known[2:]
+        else:  # first sight of this process (same pid, start time and program): read the rest
+            raw_cmdline = self._read(pid, "cmdline") or b""
+            cmdline = tuple(_decode(part) for part in raw_cmdline.split(b"\0") if part)
+            cgroup = self._read(pid, "cgroup")
+            container, pod = parse_cgroup(_decode(cgroup)) if cgroup else ("", "")
+            self._lasting[pid] = (start_ticks, comm, cmdline, container, pod)
         boot = self.boot_time()
         return ProcessInfo(
             pid=pid,

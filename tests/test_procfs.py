@@ -520,3 +520,17 @@ def test_real_proc_sees_a_child_until_it_is_reaped() -> None:
         if child.poll() is None:
             child.kill()
         child.wait()
+
+
+def test_lasting_facts_are_read_once_per_process(fake: FakeProc) -> None:
+    piddir = fake.add(4321, cmdline=b"python3\0train.py\0")
+    procfs = fake.procfs()
+    assert procfs.process(4321).cmdline == ("python3", "train.py")
+    (piddir / "cmdline").write_bytes(b"changed\0")  # not read again for the same process
+    assert procfs.process(4321).cmdline == ("python3", "train.py")
+    # the PID now names another process (a later start time): everything is read again
+    (piddir / "stat").write_bytes(stat_line(4321, b"python3", starttime=999999))
+    assert procfs.process(4321).cmdline == ("changed",)
+    procfs.retain(set())  # forgotten: read again next time
+    (piddir / "cmdline").write_bytes(b"again\0")
+    assert procfs.process(4321).cmdline == ("again",)
