@@ -513,7 +513,8 @@ def test_real_proc_sees_a_child_until_it_is_reaped() -> None:
             info = procfs.process(child.pid)
         assert info is not None
         assert info.state == "Z"
-        assert info.cmdline == ()
+        assert info.cmdline == tuple(argv)  # remembered from when it was alive
+        assert ProcFs().process(child.pid).cmdline == ()  # the kernel has dropped it
         child.wait(timeout=5)
         assert procfs.process(child.pid) is None
     finally:
