@@ -54,6 +54,18 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30):
 RUN = (sys.executable, "-m", "exporter", "run", "--simulate")
 
 
+def run_cli(host: tuple[Path, Path], *args: str, **kwargs):
+    """``gpu-exporter run`` on the host's simulated GPUs and lock directory."""
+    scenario, locks = host
+    return cli("run", "--simulate", str(scenario), "--lock-dir", str(locks), *args, **kwargs)
+
+
+def recommend_cli(host: tuple[Path, Path], *args: str, **kwargs):
+    """``gpu-exporter recommend`` on the host's simulated GPUs and lock directory."""
+    scenario, locks = host
+    return cli("recommend", "--simulate", str(scenario), "--lock-dir", str(locks), *args, **kwargs)
+
+
 def start_run(scenario: Path, locks: Path, *args: str, job: tuple[str, ...]) -> subprocess.Popen:
     return subprocess.Popen(
         [*RUN, str(scenario), "--lock-dir", str(locks), *args, "--", *job],
@@ -98,15 +110,11 @@ def test_two_jobs_get_different_gpus_a_third_waits_or_fails(host, tmp_path):
         assert len(seen) == 2 and all(s.startswith("GPU-") for s in seen)
         held = wait_locked(locks, 2)
         assert set(held) == seen
-        third = cli("run", "--simulate", str(scenario), "--lock-dir", str(locks), "--", "true")
+        third = run_cli(host, "--", "true")
         assert third.returncode == NO_GPUS and third.stdout == ""
         assert third.stderr.count("reserved by a launcher lock") == 2
-        waited = cli(
-            "run",
-            "--simulate",
-            str(scenario),
-            "--lock-dir",
-            str(locks),
+        waited = run_cli(
+            host,
             "--wait",
             "1s",
             "--",
@@ -141,7 +149,7 @@ def test_a_killed_job_frees_its_gpu_at_once(host):
     try:
         worker = int(job.stdout.readline().split()[1])
         wait_locked(locks, 2)
-        busy = cli("recommend", "--simulate", str(scenario), "--lock-dir", str(locks))
+        busy = recommend_cli(host)
         assert busy.returncode == NO_GPUS and busy.stdout == ""
         os.kill(worker, signal.SIGKILL)  # the job dies
         assert job.wait(timeout=5) == 128 + 9
@@ -186,8 +194,7 @@ def test_the_lock_outlives_the_launcher_while_the_job_lives(host):
     ids=["exit-3", "sigkill", "sigterm", "not-found"],
 )
 def test_exit_status_is_the_jobs(host, job, status):
-    scenario, locks = host
-    result = cli("run", "--simulate", str(scenario), "--lock-dir", str(locks), "--", *job)
+    result = run_cli(host, "--", *job)
     assert result.returncode == status, result.stderr
     assert "Traceback" not in result.stderr
 
@@ -210,14 +217,10 @@ def test_signals_are_forwarded_to_the_job(host, signum):
 
 
 def test_restarts_stop_after_max_restarts(host):
-    scenario, locks = host
+    locks = host[1]
     counter = locks.parent / "attempts"
-    result = cli(
-        "run",
-        "--simulate",
-        str(scenario),
-        "--lock-dir",
-        str(locks),
+    result = run_cli(
+        host,
         "--restart",
         "on-failure",
         "--max-restarts",
@@ -230,12 +233,8 @@ def test_restarts_stop_after_max_restarts(host):
     assert result.returncode == 4
     assert counter.read_text().count("x") == 2
     assert "restart 1 of 1" in result.stderr and "not restarting" in result.stderr
-    ok = cli(
-        "run",
-        "--simulate",
-        str(scenario),
-        "--lock-dir",
-        str(locks),
+    ok = run_cli(
+        host,
         "--restart",
         "on-failure",
         "--",
@@ -247,16 +246,12 @@ def test_restarts_stop_after_max_restarts(host):
 
 
 def test_no_restart_onto_a_lost_gpu(host, tmp_path):
-    scenario, locks = host
+    scenario = host[0]
     scenario.write_text(
         "gpus:\n  - {name: GPU A, errors: [{field: '*', error: GpuIsLost, from: 3s}]}\n"
     )
-    result = cli(
-        "run",
-        "--simulate",
-        str(scenario),
-        "--lock-dir",
-        str(locks),
+    result = run_cli(
+        host,
         "--restart",
         "always",
         "--",
@@ -280,8 +275,7 @@ def test_no_restart_onto_a_lost_gpu(host, tmp_path):
     ],
 )
 def test_bad_flags_exit_2(host, args, needle):
-    scenario, locks = host
-    result = cli("run", "--simulate", str(scenario), "--lock-dir", str(locks), *args, "--", "true")
+    result = run_cli(host, *args, "--", "true")
     assert result.returncode == 2 and needle in result.stderr and "Traceback" not in result.stderr
 
 
@@ -305,16 +299,11 @@ def test_recommend_formats(host):
 
 
 def test_recommend_too_few_prints_nothing_and_exits_75(host):
-    scenario, locks = host
-    result = cli("recommend", "--simulate", str(scenario), "--lock-dir", str(locks), "--count", "3")
+    result = recommend_cli(host, "--count", "3")
     assert result.returncode == NO_GPUS and result.stdout == ""
     assert "2 of the 3 GPU(s)" in result.stderr
-    result = cli(
-        "recommend",
-        "--simulate",
-        str(scenario),
-        "--lock-dir",
-        str(locks),
+    result = recommend_cli(
+        host,
         "--min-free-memory",
         "100GiB",
     )
@@ -327,21 +316,13 @@ def test_cuda_visible_devices_limits_the_choice(host, form):
     scenario, locks = host
     second = uuids(scenario, locks)[1]
     value = {"index": "1", "uuid": second, "prefix": second[:12]}[form]
-    result = cli(
-        "recommend",
-        "--simulate",
-        str(scenario),
-        "--lock-dir",
-        str(locks),
+    result = recommend_cli(
+        host,
         env=clean_env(CUDA_VISIBLE_DEVICES=value),
     )
     assert result.returncode == 0 and result.stdout.strip() == second
-    hidden = cli(
-        "recommend",
-        "--simulate",
-        str(scenario),
-        "--lock-dir",
-        str(locks),
+    hidden = recommend_cli(
+        host,
         "--count",
         "2",
         env=clean_env(CUDA_VISIBLE_DEVICES=value),
@@ -434,16 +415,12 @@ def test_visible_device_forms():
 
 
 def test_restart_waits_until_the_last_attempt_is_gone(host):
-    scenario, locks = host
+    locks = host[1]
     log = locks.parent / "order"
     # each attempt leaves a background process behind that keeps the lock (and so the GPU)
     job = f"(sleep 2; echo leftover-done >> {log}) & echo attempt >> {log}; exit 1"
-    result = cli(
-        "run",
-        "--simulate",
-        str(scenario),
-        "--lock-dir",
-        str(locks),
+    result = run_cli(
+        host,
         "--restart",
         "on-failure",
         "--max-restarts",
