@@ -36,7 +36,7 @@ def frozen_map(values: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return MappingProxyType(dict(values)) if values else _EMPTY
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class HostInfo:
     """Facts about the host and its driver, read once per NVML initialisation."""
 
@@ -46,7 +46,7 @@ class HostInfo:
     nvml_version: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class GpuInfo:
     """Static facts of one GPU, read once per NVML initialisation."""
 
@@ -65,7 +65,7 @@ class GpuInfo:
     mig_uuids: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class GpuProcess:
     """A process NVML lists on a GPU, enriched from procfs when the PID is visible here."""
 
@@ -86,7 +86,7 @@ class GpuProcess:
     pod_uid: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Gpu:
     """One GPU in one sample. ``up`` is False when the sample of this GPU failed."""
 
@@ -129,7 +129,7 @@ class Gpu:
         return {name: bool(self.clock_event_reasons & bit) for name, bit in CLOCK_EVENT_REASONS}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SampleError:
     """Something that failed in a sample: where (``source``), on which GPU, and the error name."""
 
@@ -140,7 +140,7 @@ class SampleError:
     message: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     """Everything one sample saw. Published by atomic reference; never mutated."""
 
