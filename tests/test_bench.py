@@ -1,0 +1,65 @@
+"""The benchmark runs: a quick gpu-exporter-only smoke run prints the whole table.
+
+No timing is asserted: the figures depend on the machine. nvitop-exporter is left out so that
+the test needs nothing beyond the project's own environment.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BENCHMARK = REPO / "bench" / "benchmark.py"
+
+
+def _row_names() -> tuple[str, ...]:
+    spec = importlib.util.spec_from_file_location("bench_benchmark", BENCHMARK)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module.ROW_NAMES
+
+
+def _pool_processes() -> set[int]:
+    """PIDs of processes that look like the benchmark's (``sleep 86400``)."""
+    found = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as handle:
+                if handle.read() == b"sleep\x0086400\x00":
+                    found.add(int(name))
+        except OSError:
+            continue
+    return found
+
+
+def test_quick_run_prints_every_row_and_stops_what_it_started() -> None:
+    rows = _row_names()
+    assert "scrape p99, sequential (ms)" in rows and "NVML calls per sample" in rows
+    before = _pool_processes()
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--quick", "--exporters", "ours"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    header = next((line for line in lines if line.strip().startswith("gpu-exporter")), None)
+    assert header is not None, done.stdout
+    assert "nvitop-exporter" not in header
+    for name in rows:
+        assert any(line.startswith(name) for line in lines), (name, done.stdout)
+    assert "2 GPUs x 2 processes per GPU: 4 distinct real processes" in done.stdout
+    assert not (_pool_processes() - before), "the benchmark left its processes running"
