@@ -32,10 +32,6 @@ _SERVE_ONLY = {"listen", "interval", "deadline", "log_level", "history", "paths.
 }
 
 
-class UsageError(Exception):
-    """Bad input from the user; exit 2 with this message."""
-
-
 def _add_settings(parser: argparse.ArgumentParser, serve: bool) -> None:
     parser.add_argument(
         "--config", metavar="FILE", help="YAML config file (env GPU_EXPORTER_CONFIG)"
