@@ -58,6 +58,7 @@ class Sampler:
         self._monotonic = monotonic
         self._latest: Published | None = None
         self._history: deque[Snapshot] = deque(maxlen=history)
+        self._history_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
@@ -68,8 +69,14 @@ class Sampler:
         return self._latest
 
     def history(self) -> tuple[Snapshot, ...]:
-        """Recent Snapshots, oldest first (for rules that need "sustained for")."""
-        return tuple(self._history)
+        """Recent Snapshots, oldest first (for rules that need "sustained for").
+
+        Only the last one keeps its GPUs' process lists; older ones have ``processes`` None
+        (see ``Snapshot.without_processes``), so the history's memory does not grow with
+        processes x length.
+        """
+        with self._history_lock:
+            return tuple(self._history)
 
     def sample_once(self) -> Published:
         """Take, count, render and publish one sample on the calling thread."""
@@ -82,7 +89,10 @@ class Sampler:
                 self.deadline,
             )
         published = Published(snapshot, render(snapshot, self.stats))
-        self._history.append(snapshot)
+        with self._history_lock:  # readers never see the trimmed previous one as the latest
+            if self._history:
+                self._history[-1] = self._history[-1].without_processes()
+            self._history.append(snapshot)
         self._latest = published  # one reference assignment: readers see old or new, whole
         return published
 

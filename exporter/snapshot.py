@@ -159,6 +159,17 @@ class Snapshot:
         """A JSON-ready dict of the whole Snapshot."""
         return _jsonable(self)
 
+    def without_processes(self) -> Snapshot:
+        """This Snapshot with every GPU's process list dropped (``processes`` None: not kept).
+
+        The sampler's history keeps older Snapshots this way: process lists are most of a
+        Snapshot's memory and only the latest one's are read.
+        """
+        if all(gpu.processes is None for gpu in self.gpus):
+            return self
+        gpus = tuple(dataclasses.replace(gpu, processes=None) for gpu in self.gpus)
+        return dataclasses.replace(self, gpus=gpus)
+
 
 def _jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

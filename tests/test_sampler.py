@@ -27,6 +27,19 @@ def test_history_ring_and_health(simulated, collector, clock):
     assert not health.ok and health.stale and "7.5s ago" in health.reason
 
 
+def test_history_keeps_process_lists_only_on_the_latest(simulated, collector, clock):
+    simulated("gpus: [{processes: [{pid: 4242, memory: 1GiB}]}]\n")
+    sampler = Sampler(collector, interval=5, deadline=2, history=3, monotonic=clock)
+    for _ in range(4):
+        sampler.sample_once()
+        clock.advance(5)
+    history = sampler.history()
+    assert [gpu.processes for s in history[:-1] for gpu in s.gpus] == [None, None]
+    assert [p.pid for p in history[-1].gpus[0].processes] == [4242]
+    assert history[-1] is sampler.latest.snapshot  # the published one, whole
+    assert history[0].gpus[0].memory_used_bytes is not None  # GPU figures stay
+
+
 def test_nvml_down_is_unhealthy_but_not_stale(simulated, collector, clock):
     simulated("driver: {errors: [{field: init, error: DriverNotLoaded}]}\ngpus: [{}]\n")
     sampler = Sampler(collector, interval=5, deadline=5, monotonic=clock)
