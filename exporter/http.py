@@ -1,7 +1,8 @@
 """HTTP routes over the latest Snapshot: ``/metrics``, ``/healthz``, ``/snapshot`` and ``/``.
 
-No route calls NVML or procfs: they read ``sampler.latest``. The server is prometheus_client's
-threaded WSGI server, with its TLS and client-certificate support.
+No route calls NVML or procfs: they read ``sampler.latest``. The server is
+``exporter.server``: a thread per connection, deadlines and limits against hostile clients, TLS
+and client-certificate authentication.
 """
 
 from __future__ import annotations
@@ -9,17 +10,17 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
-from prometheus_client.exposition import start_wsgi_server
-
 from exporter import __version__
 from exporter.launcher.visible import visible_uuids
 from exporter.metrics import CONTENT_TYPE, render_liveness
 from exporter.sampler import Sampler
+from exporter.server import HttpServer, tls_context
 
 if TYPE_CHECKING:
     from exporter.actions.scheduler import ActionEngine
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 
 StartResponse = Callable[..., Any]
 _MAX_QUERY = 4096
+#: A ``%`` not followed by two hex digits (parse_qs would keep it as is).
+_BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+#: A control character (NUL included), raw or %-escaped.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]|%[01][0-9A-Fa-f]|%7[Ff]")
 LISTEN_BACKLOG = 128
 _LANDING = """<!doctype html>
 <html><head><meta charset="utf-8"><title>gpu-exporter</title></head>
@@ -99,16 +104,16 @@ class App:
         return [body]
 
     def _dispatch(self, environ: dict[str, Any]) -> Response:
-        path = environ.get("PATH_INFO") or "/"
-        route = self._routes.get(path)
-        if route is None:
-            raise BadRequest("404 Not Found", f"no such path {path!r}; see / for the routes")
         method = environ.get("REQUEST_METHOD", "GET")
-        if method not in ("GET", "HEAD"):
+        if method not in ("GET", "HEAD"):  # on every path: no route takes another method
             response = _text("405 Method Not Allowed", f"{method} is not allowed; use GET")
             return Response(
                 response.status, response.content_type, response.body, (("Allow", "GET, HEAD"),)
             )
+        path = environ.get("PATH_INFO") or "/"
+        route = self._routes.get(path)
+        if route is None:
+            raise BadRequest("404 Not Found", f"no such path {path!r}; see / for the routes")
         handler, allowed = route
         return handler(self._params(environ.get("QUERY_STRING", ""), allowed), environ)
 
@@ -116,11 +121,19 @@ class App:
     def _params(query: str, allowed: frozenset[str]) -> dict[str, list[str]]:
         if len(query) > _MAX_QUERY:
             raise BadRequest("414 URI Too Long", f"query string longer than {_MAX_QUERY} bytes")
+        if _BAD_ESCAPE.search(query):
+            raise BadRequest("400 Bad Request", "malformed query string: bad %-escape")
+        if _CONTROL.search(query):
+            raise BadRequest("400 Bad Request", "malformed query string: control character")
         try:
             params = parse_qs(
-                query, keep_blank_values=True, strict_parsing=bool(query), max_num_fields=64
+                query,
+                keep_blank_values=True,
+                strict_parsing=bool(query),
+                errors="strict",
+                max_num_fields=64,
             )
-        except ValueError as exc:
+        except ValueError as exc:  # UnicodeDecodeError included
             raise BadRequest("400 Bad Request", f"malformed query string: {exc}") from None
         for name in params:
             if name not in allowed:
@@ -210,14 +223,6 @@ class App:
         return Response("200 OK", "application/json", body)
 
 
-class _NoMetrics:
-    def collect(self) -> Iterable[Any]:
-        return iter(())
-
-
-_NO_METRICS: Any = _NoMetrics()
-
-
 RECOMMEND_PARAMS = frozenset(
     {
         "policy",
@@ -238,16 +243,14 @@ NOT_ENOUGH_GPUS = "409 Conflict"
 class Server:
     """A running HTTP server; ``close`` stops it."""
 
-    httpd: Any
-    thread: Any
+    httpd: HttpServer
 
     @property
     def port(self) -> int:
-        return int(self.httpd.server_address[1])
+        return self.httpd.port
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.httpd.close()
 
 
 def serve(
@@ -259,18 +262,15 @@ def serve(
     key_file: str | None = None,
     client_ca_file: str | None = None,
 ) -> Server:
-    """Serve ``app`` on a daemon thread; raises OSError when the address cannot be bound."""
-    httpd, thread = start_wsgi_server(
-        port,
-        addr=host or "0.0.0.0",
-        registry=_NO_METRICS,  # what its own app would serve in the instant before set_app
-        certfile=cert_file,
-        keyfile=key_file,
-        client_cafile=client_ca_file,
-        client_auth_required=bool(client_ca_file),
-    )
-    httpd.set_app(app)  # prometheus_client starts it with its own app; ours takes over at once
-    # Its listen backlog is socketserver's 5: under 16 concurrent scrapers about 1 % of
-    # connections overflowed and waited a 1 s SYN retransmission (docs/benchmarks.md).
-    httpd.socket.listen(LISTEN_BACKLOG)
-    return Server(httpd, thread)
+    """Serve ``app`` on daemon threads, with TLS when ``cert_file`` and ``key_file`` are given
+    (and a client certificate signed by ``client_ca_file`` required when that is given).
+
+    Raises OSError when the address cannot be bound or a TLS file cannot be loaded.
+    """
+    if bool(cert_file) != bool(key_file) or (client_ca_file and not cert_file):
+        raise ValueError("TLS needs cert_file and key_file, and client_ca_file needs both")
+    context = tls_context(cert_file, key_file, client_ca_file) if cert_file and key_file else None
+    # The backlog: with socketserver's 5, under 16 concurrent scrapers about 1 % of connections
+    # overflowed and waited a 1 s SYN retransmission (docs/benchmarks.md).
+    httpd = HttpServer(app, host, port, ssl_context=context, backlog=LISTEN_BACKLOG)
+    return Server(httpd.start())

@@ -1,0 +1,513 @@
+"""Hostile HTTP clients against the real server on loopback, over simulated GPUs.
+
+Methods, malformed or oversized heads and queries, path traversal, floods of idle connections,
+slowloris clients and TLS clients that never handshake. The routes' own errors are covered in
+tests/test_http.py; this file adds what a hostile client can send.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import resource
+import select
+import shutil
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+import exporter.server
+from exporter.http import App, Server, serve
+from exporter.sampler import Sampler
+from tests.test_http import Agent, wait_for
+
+SCENARIO = "gpus: [{name: GPU A}, {name: GPU B}]\n"
+
+
+@pytest.fixture(autouse=True)
+def no_tracebacks(capfd, caplog) -> Iterator[None]:
+    """Client misbehaviour is never a traceback on stderr, nor a warning in the log."""
+    caplog.set_level(logging.DEBUG, logger="exporter")
+    yield
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not loud, [r.getMessage() for r in loud]
+
+
+@pytest.fixture
+def start(simulated, collector) -> Iterator[Callable[..., Server]]:
+    """Start the real server over a sampled simulated host; closed after the test."""
+    simulated(SCENARIO)
+    sampler = Sampler(collector, interval=60, deadline=60)
+    sampler.sample_once()
+    started: list[Server] = []
+
+    def run(**tls: str) -> Server:
+        server = serve(App(sampler), "127.0.0.1", 0, **tls)
+        started.append(server)
+        return server
+
+    yield run
+    for server in started:
+        server.close()
+
+
+@pytest.fixture
+def server(start) -> Server:
+    return start()
+
+
+def exchange(port: int, data: bytes, timeout: float = 5) -> bytes:
+    """Send ``data`` raw, then read until the server closes; what it answered."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        return read_to_eof(sock)
+
+
+def read_to_eof(sock: socket.socket) -> bytes:
+    chunks = []
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def status_of(answer: bytes) -> int:
+    assert answer.startswith((b"HTTP/1.1 ", b"HTTP/1.0 ")), answer[:200]
+    return int(answer.split(b" ", 2)[1])
+
+
+def head_and_body(answer: bytes) -> tuple[dict[str, str], bytes]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    headers = {}
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.decode().partition(":")
+        headers[name.lower()] = value.strip()
+    return headers, body
+
+
+def get(port: int, target: str, method: str = "GET", extra: bytes = b"") -> bytes:
+    return exchange(port, f"{method} {target} HTTP/1.1\r\nHost: x\r\n".encode() + extra + b"\r\n")
+
+
+# -- methods ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT", "BREW"]
+)
+@pytest.mark.parametrize("path", ["/metrics", "/snapshot", "/", "/nope"])
+def test_every_method_but_get_and_head_gets_405(server, method, path):
+    answer = get(server.port, path, method)
+    headers, body = head_and_body(answer)
+    assert status_of(answer) == 405, answer
+    assert headers["allow"] == "GET, HEAD" and f"{method} is not allowed".encode() in body
+
+
+@pytest.mark.parametrize("method", ["POST", "GET"])
+def test_the_answer_reaches_a_client_that_sent_a_body(server, method):
+    """The body the server never reads does not turn its close into a reset that cuts the answer.
+
+    The client's small receive window keeps most of the answer in the server's send queue,
+    which a reset would throw away.
+    """
+    body = b"x" * 200_000
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(5)
+        sock.connect(("127.0.0.1", server.port))
+        head = f"{method} /metrics HTTP/1.1\r\nContent-Length: {len(body)}\r\n\r\n"
+        sock.sendall(head.encode() + body)
+        time.sleep(0.2)  # the server has answered and closed by now
+        answer = read_to_eof(sock)
+    headers, got = head_and_body(answer)
+    assert status_of(answer) == (405 if method == "POST" else 200)
+    assert len(got) == int(headers["content-length"]) and (method == "POST" or len(got) > 8192)
+
+
+# -- queries, request lines and headers -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("target", "status", "needle"),
+    [
+        ("/metrics?" + "a" * 5000, 414, b"query string longer than 4096"),
+        ("/snapshot?gpu=" + "0" * 6000, 414, b"query string longer than 4096"),
+        ("/snapshot?gpu=%zz", 400, b"bad %-escape"),
+        ("/snapshot?gpu=%4", 400, b"bad %-escape"),
+        ("/snapshot?gpu=0%", 400, b"bad %-escape"),
+        ("/snapshot?gpu=1&&", 400, b"malformed query string"),
+        ("/snapshot?a=1&&", 400, b"malformed query string"),
+        ("/snapshot?gpu=%00", 400, b"control character"),
+        ("/snapshot?gpu%00=0", 400, b"control character"),
+        ("/snapshot?gpu=%0a", 400, b"control character"),
+        ("/snapshot?gpu=%ff", 400, b"malformed query string"),
+        ("/snapshot?" + "gpu=0&" * 100, 400, b"malformed query string"),
+        ("/snapshot?gpu=0&GPU=1", 400, b"unknown query parameter 'GPU'"),
+        ("/healthz?verbose=1", 400, b"unknown query parameter 'verbose'"),
+        ("/?x", 400, b"malformed query string"),
+        ("/snapshot?gpu=\x00", 400, b"malformed request target"),
+        ("/snapshot?gpu=\x7f", 400, b"malformed request target"),
+    ],
+)
+def test_malformed_and_huge_queries(server, target, status, needle):
+    answer = get(server.port, target)
+    assert status_of(answer) == status and needle in head_and_body(answer)[1], answer[:300]
+
+
+@pytest.mark.parametrize("target", ["/metrics?" + "a" * 10_000, "/" + "a" * 100_000])
+def test_request_line_over_the_limit_gets_414(server, target):
+    answer = get(server.port, target)
+    assert status_of(answer) == 414 and b"request line over 8192 bytes" in answer
+
+
+def test_414_comes_before_the_line_ends(server):
+    """A request line that never ends is refused once it passes the limit, not at the deadline."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(b"GET /" + b"a" * 9000)  # no line end; the head deadline is 10 s
+        assert status_of(read_to_eof(sock)) == 414
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (b"X-Big: " + b"a" * 10_000 + b"\r\n", b"header line over 8192 bytes"),
+        (b"".join(b"X-%d: a\r\n" % i for i in range(101)), b"more than 100 headers"),
+        (b"".join(b"X-%d: %s\r\n" % (i, b"a" * 1000) for i in range(90)), b"head over 65536"),
+    ],
+)
+def test_huge_headers_get_431(server, extra, needle):
+    answer = get(server.port, "/metrics", extra=extra)
+    assert status_of(answer) == 431 and needle in answer
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "needle"),
+    [
+        (b"GET /metrics\r\n\r\n", 400, b"HTTP/0.9"),
+        (b"GET /metrics\r\n", 400, b"HTTP/0.9"),  # answered without waiting for more
+        (b"GARBAGE\r\n\r\n", 400, b"malformed request line"),
+        (b"\r\n\r\n\r\n", None, None),  # empty lines only: no request yet; client closes
+        (b"GET  /metrics HTTP/1.1\r\n\r\n", 400, b"malformed request line"),
+        (b"GET /metrics HTTP/1.1 x\r\n\r\n", 400, b"malformed request line"),
+        (b"GET /metrics HTTP/2.0\r\n\r\n", 505, b"HTTP/2.0 is not supported"),
+        (b"GET /metrics HTTP/1\r\n\r\n", 400, b"malformed HTTP version"),
+        (b"GET /metrics FTP/1.1\r\n\r\n", 400, b"malformed HTTP version"),
+        (b"G(T /metrics HTTP/1.1\r\n\r\n", 400, b"malformed method"),
+        (b"GET /met\x01rics HTTP/1.1\r\n\r\n", 400, b"malformed request target"),
+        (b"GET /m\xe9trics HTTP/1.1\r\n\r\n", 400, b"not ASCII"),
+        (b"GET http://[::1/metrics HTTP/1.1\r\n\r\n", 400, b"malformed request target"),
+        (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400, b"not ASCII"),
+        (b"GET /metrics HTTP/1.1\r\nno colon\r\n\r\n", 400, b"malformed header line"),
+        (b"GET /metrics HTTP/1.1\r\nBad Name: a\r\n\r\n", 400, b"malformed header line"),
+        (b"GET /metrics HTTP/1.1\r\nX: a\r\n folded\r\n\r\n", 400, b"line folding"),
+        (b"GET /metrics HTTP/1.1\r\nX: a\x00b\r\n\r\n", 400, b"control character"),
+    ],
+)
+def test_malformed_heads_get_400(server, raw, status, needle):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(raw)
+        if status is None:
+            sock.shutdown(socket.SHUT_WR)
+            assert read_to_eof(sock) == b""
+            return
+        answer = read_to_eof(sock)  # no SHUT_WR: the server must answer on its own
+    assert status_of(answer) == status and needle in head_and_body(answer)[1], answer
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GET /metrics HTTP/1.0\r\n\r\n",
+        b"GET /metrics HTTP/1.1\n\n",  # bare line feeds
+        b"\r\nGET /metrics HTTP/1.1\r\nHost: x\r\n\r\n",  # a stray line end before it
+        b"GET http://example.com/metrics HTTP/1.1\r\nHost: example.com\r\n\r\n",
+    ],
+)
+def test_odd_but_valid_heads_are_served(server, raw):
+    answer = exchange(server.port, raw)
+    assert status_of(answer) == 200 and b"gpu_up{" in answer
+
+
+def test_one_request_per_connection(server):
+    """Pipelined requests: the first is answered, with Connection: close, and then EOF."""
+    two = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\nGET /snapshot HTTP/1.1\r\nHost: x\r\n\r\n"
+    answer = exchange(server.port, two)
+    headers, body = head_and_body(answer)
+    assert status_of(answer) == 200 and headers["connection"] == "close"
+    assert len(body) == int(headers["content-length"]) and answer.count(b"HTTP/1.1 ") == 1
+
+
+def test_head(server):
+    headers, body = head_and_body(exchange(server.port, b"HEAD /metrics HTTP/1.1\r\n\r\n"))
+    assert body == b"" and int(headers["content-length"]) > 0
+
+
+def test_client_resets_and_early_closes_are_quiet(server):
+    for data in (b"", b"GET /metr", b"GET /metrics HTTP/1.1\r\nHost:"):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        sock.sendall(data)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        sock.close()  # SO_LINGER 0: a reset
+    wait_for(lambda: server.httpd.connections == 0)
+    assert status_of(get(server.port, "/metrics")) == 200
+
+
+# -- path traversal ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/../../etc/passwd",
+        "/%2e%2e/%2e%2e/etc/passwd",
+        "/..%2f..%2fetc%2fpasswd",
+        "/%2e%2e%5c%2e%2e%5cetc%5cpasswd",
+        "//etc/passwd",
+        "/metrics/../../etc/passwd",
+        "/metrics/",
+        "/snapshot%00",
+        "/snapshot%00.json",
+        "/./metrics",
+        "http://x/../../etc/passwd",
+        "/../../../../../../../..{secret}",
+        "/%2e%2e/%2e%2e/%2e%2e/%2e%2e/%2e%2e/%2e%2e{secret}",
+    ],
+)
+def test_no_path_traversal(server, tmp_path, target):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("sentinel-3f9c1 root:x:0:0\n")
+    answer = get(server.port, target.format(secret=secret))
+    assert status_of(answer) == 404, answer[:300]
+    assert b"sentinel-3f9c1" not in answer and b"root:x:0:0" not in answer
+    assert b"no such path" in answer
+
+
+# -- floods and slow clients ---------------------------------------------------------------
+
+
+@pytest.fixture
+def many_files() -> Iterator[None]:
+    """Room for 500 client and 500 server sockets in this one process."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = 1500
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {needed}")
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def scrape(port: int) -> tuple[int, bytes]:
+    status, _, body = Agent(None, port).get("/metrics")  # a 5 s timeout: a liveness bound
+    return status, body
+
+
+def test_500_idle_connections_do_not_stop_a_scrape(start, many_files, monkeypatch):
+    monkeypatch.setattr(exporter.server, "HEAD_DEADLINE", 60.0)  # they stay open meanwhile
+    server = start()
+    idle: list[socket.socket] = []
+    try:
+        for i in range(500):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            if i % 2:  # half send the start of a request and stop
+                sock.sendall(b"GET /metrics HTTP/1.1\r\n")
+            idle.append(sock)
+        wait_for(lambda: server.httpd.connections >= 500, timeout=10)  # all held by the server
+        status, body = scrape(server.port)
+        assert status == 200 and b"gpu_up{" in body
+        assert server.httpd.connections >= 500  # they were still open during the scrape
+    finally:
+        for sock in idle:
+            sock.close()
+    wait_for(lambda: server.httpd.connections == 0, timeout=10)
+
+
+class Trickler(threading.Thread):
+    """Clients that send a request head one byte per round and never finish it.
+
+    Records when the server closed each one (a read sees EOF or a reset, or a send fails), and
+    what the server said first.
+    """
+
+    HEAD = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: "
+
+    def __init__(self, port: int, count: int, period: float, give_up: float) -> None:
+        super().__init__(daemon=True)
+        self.socks = [
+            socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(count)
+        ]
+        self.period, self.give_up = period, give_up
+        self.sent = dict.fromkeys(self.socks, 0)
+        self.closed_after: dict[socket.socket, float] = {}
+        self.said: dict[socket.socket, bytes] = {}
+        self.started = time.monotonic()
+
+    def run(self) -> None:
+        while time.monotonic() - self.started < self.give_up:
+            open_socks = [s for s in self.socks if s not in self.closed_after]
+            if not open_socks:
+                return
+            readable, _, _ = select.select(open_socks, [], [], 0)
+            for sock in readable:
+                try:
+                    data = sock.recv(4096)
+                except OSError:
+                    data = b""
+                if data:
+                    self.said.setdefault(sock, data)
+                else:
+                    self.closed_after[sock] = time.monotonic() - self.started
+            for sock in open_socks:
+                if sock in self.closed_after:
+                    continue
+                n = self.sent[sock]
+                byte = self.HEAD[n : n + 1] or b"a"
+                try:
+                    sock.send(byte)
+                except OSError:
+                    self.closed_after[sock] = time.monotonic() - self.started
+                self.sent[sock] = n + 1
+            time.sleep(self.period)
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
+
+
+def test_slowloris_clients_do_not_stop_scrapes_and_are_cut_at_the_head_deadline(start, monkeypatch):
+    monkeypatch.setattr(exporter.server, "HEAD_DEADLINE", 3.0)
+    server = start()
+    # A byte every 0.1 s: a per-read timeout of any length would never fire.
+    slow = Trickler(server.port, 50, period=0.1, give_up=15)
+    slow.start()
+    try:
+        wait_for(lambda: min(slow.sent.values()) >= 2)
+        held = server.httpd.connections
+        for _ in range(3):
+            status, body = scrape(server.port)
+            assert status == 200 and b"gpu_up{" in body
+        slow.join(20)
+        assert held >= 50
+        assert len(slow.closed_after) == 50, "slow clients still open while they kept sending"
+        assert min(slow.closed_after.values()) >= 3.0 - 0.5  # not before the deadline
+        assert all(said.startswith(b"HTTP/1.1 408 ") for said in slow.said.values()), slow.said
+    finally:
+        slow.close()
+    wait_for(lambda: server.httpd.connections == 0)
+
+
+def test_408_to_a_client_that_stops_mid_head(start, monkeypatch):
+    monkeypatch.setattr(exporter.server, "HEAD_DEADLINE", 0.5)
+    server = start()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        answer = read_to_eof(sock)
+    assert status_of(answer) == 408 and b"request head not received in time" in answer
+
+
+def test_connections_beyond_the_cap_are_closed_at_once(start, monkeypatch):
+    monkeypatch.setattr(exporter.server, "MAX_CONNECTIONS", 5)
+    server = start()
+    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(5)]
+    try:
+        wait_for(lambda: server.httpd.connections == 5)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as extra:
+            extra.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+            assert read_to_eof(extra) == b""  # closed without an answer, before the deadline
+        assert server.httpd.rejected >= 1 and server.httpd.connections == 5
+    finally:
+        for sock in idle:
+            sock.close()
+    wait_for(lambda: server.httpd.connections == 0)
+    assert scrape(server.port)[0] == 200
+
+
+# -- TLS -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    from tests.test_tls import _make_pki
+
+    return _make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def test_tls_client_that_never_handshakes_does_not_block_others(start, pki, monkeypatch):
+    monkeypatch.setattr(exporter.server, "HEAD_DEADLINE", 2.0)
+    server = start(
+        cert_file=pki["server.pem"], key_file=pki["server.key"], client_ca_file=pki["ca.pem"]
+    )
+    silent = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(3)]
+    half = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    half.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")  # a ClientHello, cut short
+    try:
+        context = ssl.create_default_context(cafile=pki["ca.pem"])
+        context.load_cert_chain(pki["client.pem"], pki["client.key"])
+        for _ in range(2):
+            with (
+                socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw,
+                context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+            ):
+                tls.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                answer = read_to_eof(tls)
+            assert status_of(answer) == 200 and b"gpu_up{" in answer
+        # The silent ones are cut at the deadline, not held forever.
+        for sock in [*silent, half]:
+            assert read_to_eof(sock) == b""
+    finally:
+        for sock in [*silent, half]:
+            sock.close()
+    wait_for(lambda: server.httpd.connections == 0)
+
+
+def test_tls_handshake_sent_byte_by_byte_is_cut_at_the_deadline(start, pki, monkeypatch):
+    """The head deadline covers the whole handshake, not each read of it."""
+    monkeypatch.setattr(exporter.server, "HEAD_DEADLINE", 1.0)
+    server = start(cert_file=pki["server.pem"], key_file=pki["server.key"])
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    client = ssl.create_default_context(cafile=pki["ca.pem"]).wrap_bio(
+        incoming, outgoing, server_hostname="127.0.0.1"
+    )
+    with contextlib.suppress(ssl.SSLWantReadError):
+        client.do_handshake()
+    hello = outgoing.read()  # a real ClientHello, some hundreds of bytes
+    assert len(hello) > 100
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        for i in range(len(hello)):  # 0.05 s a byte: the whole hello would take > 5 s
+            try:
+                sock.send(hello[i : i + 1])
+            except OSError:
+                break
+            if select.select([sock], [], [], 0.05)[0]:
+                assert read_to_eof(sock) == b""
+                break
+        closed_after = time.monotonic() - started
+    assert i < len(hello) - 1, "the server waited for the whole trickled handshake"
+    assert closed_after >= 1.0 - 0.3
+    wait_for(lambda: server.httpd.connections == 0)
+
+
+def test_tls_errors_are_quiet(start, pki):
+    server = start(
+        cert_file=pki["server.pem"], key_file=pki["server.key"], client_ca_file=pki["ca.pem"]
+    )
+    assert exchange(server.port, b"GET /metrics HTTP/1.1\r\n\r\n") == b""  # plain HTTP on TLS
+    anonymous = ssl.create_default_context(cafile=pki["ca.pem"])  # no client certificate
+    with (
+        socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw,
+        contextlib.suppress(ssl.SSLError, ConnectionError),
+        anonymous.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        tls.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+        assert not tls.recv(100).startswith(b"HTTP/")
+    wait_for(lambda: server.httpd.connections == 0)
