@@ -137,6 +137,13 @@ class Nvml:
         self._missing: set[str] = set()
         self._unsupported: set[tuple[int, str]] = set()
         self._handles: dict[int, Any] = {}
+        #: Calls, and (GPU, field)s, that answered since initialisation: the driver has them and
+        #: the GPU supports them, whatever a later FunctionNotFound or NotSupported says (that
+        #: is then a failure of this sample, not something to remember).
+        self._answered: set[str] = set()
+        self._supported: set[tuple[int, str]] = set()
+        #: GPU indices (-1: the host) whose static facts a transient error left incomplete.
+        self.incomplete: set[int] = set()
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -159,20 +166,22 @@ class Nvml:
                 continue
             try:
                 value = self.call(candidate.function, *candidate.args, **(candidate.kwargs or {}))
+                self._answered.add(key)
+                self._supported.add((index, name))
                 return candidate.convert(value) if candidate.convert else value
             except Exception as exc:
                 error = error_name(exc)
-                if error in _MISSING:
+                if error in _MISSING and key not in self._answered:
                     self._missing.add(key)
                     log.debug("driver lacks %s; trying an older call", key)
                     continue
-                if error in _UNSUPPORTED:
+                if error in _UNSUPPORTED and (index, name) not in self._supported:
                     self._unsupported.add((index, name))
                     log.debug("GPU %d: %s not supported (%s)", index, name, error)
                     return None
                 if error in _NVML_FATAL:
                     raise NvmlUnavailable(error, f"{candidate.function}: {describe(exc)}") from exc
-                if error in _GPU_FATAL:
+                if error in _GPU_FATAL and index >= 0:  # host-wide facts belong to no GPU
                     raise GpuFailed(error, f"{candidate.function}: {describe(exc)}") from exc
                 errors.append(SampleError("field", error, index, name, describe(exc)))
                 return None
@@ -186,11 +195,22 @@ class Nvml:
         self._missing.clear()
         self._unsupported.clear()
         self._handles.clear()
+        self._answered.clear()
+        self._supported.clear()
+        self.incomplete.clear()
         try:
             self.call("nvmlInit")
         except Exception as exc:
             raise NvmlUnavailable(error_name(exc), describe(exc)) from exc
         self.initialized = True
+        try:
+            return self.read_host()
+        except NvmlUnavailable:  # lost again at once: not half initialised
+            self.shutdown()
+            raise
+
+    def read_host(self) -> HostInfo:
+        """The host's driver facts (after :meth:`init`); raises NvmlUnavailable."""
         errors: list[SampleError] = []
         host = -1  # host-wide facts are remembered as unsupported under this pseudo index
         cuda = self._read(
@@ -200,17 +220,18 @@ class Nvml:
             Call("nvmlSystemGetCudaDriverVersion_v2", convert=_cuda_version),
             Call("nvmlSystemGetCudaDriverVersion", convert=_cuda_version),
         )
+        driver = self._read(
+            host, "driver_version", errors, Call("nvmlSystemGetDriverVersion", convert=_text)
+        )
+        nvml = self._read(
+            host, "nvml_version", errors, Call("nvmlSystemGetNVMLVersion", convert=_text)
+        )
+        self._note_incomplete(host, errors)
         return HostInfo(
             hostname=socket.gethostname(),
-            driver_version=self._read(
-                host, "driver_version", errors, Call("nvmlSystemGetDriverVersion", convert=_text)
-            )
-            or "",
+            driver_version=driver or "",
             cuda_version=cuda or "",
-            nvml_version=self._read(
-                host, "nvml_version", errors, Call("nvmlSystemGetNVMLVersion", convert=_text)
-            )
-            or "",
+            nvml_version=nvml or "",
         )
 
     def shutdown(self, timeout: float = 1.0) -> bool:
@@ -240,6 +261,16 @@ class Nvml:
         except Exception as exc:
             raise NvmlUnavailable(error_name(exc), f"nvmlDeviceGetCount: {describe(exc)}") from exc
 
+    def _note_incomplete(self, index: int, errors: list[SampleError]) -> None:
+        """Remember whether a transient error left static facts out (the collector retries)."""
+        for error in errors:
+            where = f"GPU {index}" if index >= 0 else "host"
+            log.info("%s: reading %s failed: %s", where, error.field, error.message)
+        if errors:
+            self.incomplete.add(index)
+        else:
+            self.incomplete.discard(index)
+
     # -- one GPU ----------------------------------------------------------------------------
 
     def _required(self, function: str, *args: Any) -> Any:
@@ -254,6 +285,7 @@ class Nvml:
     def read_info(self, index: int) -> GpuInfo:
         """Static facts of GPU ``index`` (read once per initialisation); raises GpuFailed."""
         self._unsupported = {key for key in self._unsupported if key[0] != index}
+        self._supported = {key for key in self._supported if key[0] != index}
         handle = self._required("nvmlDeviceGetHandleByIndex", index)
         self._handles[index] = handle
         uuid = _text(self._required("nvmlDeviceGetUUID", handle))
@@ -289,8 +321,7 @@ class Nvml:
         )
         name = _text(self._required("nvmlDeviceGetName", handle))
         mig_uuids = self._read_mig(index, handle, errors)
-        for error in errors:
-            log.info("GPU %d: reading %s failed: %s", index, error.field, error.message)
+        self._note_incomplete(index, errors)
         return GpuInfo(
             index=index,
             uuid=uuid,
@@ -315,12 +346,15 @@ class Nvml:
         )
         found = []
         for slot in range(count or 0):
-            try:  # an empty slot answers NotFound
+            try:
                 mig = self.call("nvmlDeviceGetMigDeviceHandleByIndex", handle, slot)
                 found.append(_text(self.call("nvmlDeviceGetUUID", mig)))
             except Exception as exc:
-                if error_name(exc) in _GPU_FATAL | _NVML_FATAL:
-                    raise GpuFailed(error_name(exc), f"MIG device {slot}: {describe(exc)}") from exc
+                error = error_name(exc)
+                if error in _GPU_FATAL | _NVML_FATAL:
+                    raise GpuFailed(error, f"MIG device {slot}: {describe(exc)}") from exc
+                if error not in _MISSING | _UNSUPPORTED | {"NotFound"}:  # NotFound: an empty slot
+                    errors.append(SampleError("field", error, index, "mig_devices", describe(exc)))
         return tuple(found)
 
     def _read_memory(self, index: int, handle: Any, errors: list[SampleError]) -> Any:
@@ -421,6 +455,7 @@ class Nvml:
     ) -> list[NvmlProcess] | None:
         found: list[NvmlProcess] = []
         known = False
+        failed_before = len(errors)
         for kind, base in (
             ("compute", "nvmlDeviceGetComputeRunningProcesses"),
             ("graphics", "nvmlDeviceGetGraphicsRunningProcesses"),
@@ -440,4 +475,6 @@ class Nvml:
                 found.append(
                     NvmlProcess(int(proc.pid), int(used) if used is not None else None, kind)
                 )
+        if len(errors) > failed_before:  # one list failed: the other alone would be short
+            return None
         return found if known else None

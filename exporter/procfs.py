@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 #: A command line longer than this is cut (it may be megabytes; it is for display only).
 MAX_CMDLINE_BYTES = 4096
+_MAX_FILE_BYTES = 1 << 20  # any other procfs file: far more than a real one holds
 _CONTAINER_ID = re.compile(r"(?<![0-9a-f])([0-9a-f]{64})(?![0-9a-f])")
 _POD_UID = re.compile(
     r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})"
@@ -74,15 +75,22 @@ class ProcFs:
         for pid in [pid for pid in self._lasting if pid not in pids]:
             del self._lasting[pid]
 
-    def _path(self, pid: int, name: str) -> str:
-        return f"{self.root}/{pid}/{name}"
-
-    def _read(self, pid: int, name: str) -> bytes | None:
+    def _read(self, dirfd: int, name: str) -> bytes | None:
+        """The file ``name`` of the process whose directory ``dirfd`` is; None when unreadable."""
+        limit = MAX_CMDLINE_BYTES if name == "cmdline" else _MAX_FILE_BYTES
         try:
-            with open(self._path(pid, name), "rb") as handle:
-                return handle.read(MAX_CMDLINE_BYTES if name == "cmdline" else -1)
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dirfd)
         except OSError:  # vanished, permission denied, not a process
             return None
+        try:
+            data = b""
+            while len(data) < limit and (chunk := os.read(fd, limit - len(data))):
+                data += chunk
+            return data
+        except OSError:  # ended while read (ESRCH), or not a file
+            return None
+        finally:
+            os.close(fd)
 
     def boot_time(self) -> float | None:
         """The host's boot time (``btime`` in ``<root>/stat``), seconds since the epoch."""
@@ -101,8 +109,8 @@ class ProcFs:
         """The user name of ``uid``, or the number when this host's passwd does not know it."""
         name = self._users.get(uid)
         if name is None:
-            try:
-                name = pwd.getpwuid(uid).pw_name
+            try:  # a name that is not UTF-8 comes back with surrogates: escape it as in comm
+                name = _decode(os.fsencode(pwd.getpwuid(uid).pw_name))
             except (KeyError, OverflowError):
                 name = str(uid)
             if len(self._users) > 4096:
@@ -114,7 +122,18 @@ class ProcFs:
         """Facts about ``pid``, or None when it is not visible under this root."""
         if pid <= 0:
             return None
-        stat = self._read(pid, "stat")
+        try:  # every read goes through the open directory: it stays this process's, even when
+            # the process ends and its PID is reused meanwhile (those reads then fail)
+            dirfd = os.open(f"{self.root}/{pid}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            return self._process(pid, dirfd)
+        finally:
+            os.close(dirfd)
+
+    def _process(self, pid: int, dirfd: int) -> ProcessInfo | None:
+        stat = self._read(dirfd, "stat")
         if stat is None:
             return None
         try:
@@ -127,18 +146,22 @@ class ProcFs:
         except (ValueError, IndexError):
             return None
         try:
-            uid: int | None = os.stat(f"{self.root}/{pid}").st_uid
+            uid: int | None = os.fstat(dirfd).st_uid
         except OSError:
             uid = None
         known = self._lasting.get(pid)
         if known is not None and known[:2] == (start_ticks, comm):
             cmdline, container, pod = known[2:]
         else:  # first sight of this process (same pid, start time and program): read the rest
-            raw_cmdline = self._read(pid, "cmdline") or b""
-            cmdline = tuple(_decode(part) for part in raw_cmdline.split(b"\0") if part)
-            cgroup = self._read(pid, "cgroup")
+            raw_cmdline = self._read(dirfd, "cmdline")
+            cgroup = self._read(dirfd, "cgroup")
+            if (raw_cmdline is None or cgroup is None) and self._read(dirfd, "stat") is None:
+                return None  # it ended meanwhile: not half of what it was
+            cmdline = tuple(_decode(part) for part in (raw_cmdline or b"").split(b"\0") if part)
             container, pod = parse_cgroup(_decode(cgroup)) if cgroup else ("", "")
-            self._lasting[pid] = (start_ticks, comm, cmdline, container, pod)
+            if cmdline:  # empty: a zombie, or caught inside exec (same start time and maybe the
+                # same name afterwards): read again next time instead of remembering nothing
+                self._lasting[pid] = (start_ticks, comm, cmdline, container, pod)
         boot = self.boot_time()
         return ProcessInfo(
             pid=pid,

@@ -320,6 +320,18 @@ def test_zombie_has_empty_cmdline(fake: FakeProc) -> None:
     assert (info.state, info.name, info.cmdline) == ("Z", "defunct", ())
 
 
+def test_a_command_line_read_inside_exec_is_not_remembered(fake: FakeProc) -> None:
+    # Inside exec the kernel shows an empty command line; the start time stays, and so may the
+    # name (python running python): the next read must see the new command line.
+    piddir = fake.add(19, b"python3", cmdline=b"", starttime=77)
+    procfs = fake.procfs()
+    assert procfs.process(19).cmdline == ()
+    (piddir / "cmdline").write_bytes(b"python3\0serve.py\0")
+    assert procfs.process(19).cmdline == ("python3", "serve.py")
+    (piddir / "cmdline").write_bytes(b"")  # now a zombie: the life's command line is kept
+    assert procfs.process(19).cmdline == ("python3", "serve.py")
+
+
 def test_non_utf8_comm_and_cmdline(fake: FakeProc) -> None:
     fake.add(
         18,

@@ -7,6 +7,7 @@ every run the actions' metrics are rendered once, and scrapes serve those bytes.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import re
@@ -159,8 +160,12 @@ class ActionEngine:
     # -- configuration ----------------------------------------------------------------------
 
     def _apply(self, config: ActionsConfig) -> None:
-        for name, settings in config.actions.items():
-            with self._locks[name]:
+        # Every action's lock at once: a run in progress ends first, and no run ever sees some
+        # actions configured anew and others not (a run holds one lock only: no deadlock).
+        with contextlib.ExitStack() as held:
+            for lock in self._locks.values():
+                held.enter_context(lock)
+            for name, settings in config.actions.items():
                 current = self._actions.get(name)
                 if current is not None and settings.enabled:
                     if isinstance(current, ZombieReaper):  # never abandon a kill in progress
@@ -173,7 +178,7 @@ class ActionEngine:
                 self._actions.pop(name, None)
                 if settings.enabled:
                     self._actions[name] = self._make(name, settings.options)
-        self.config = config
+            self.config = config
         self._render()
 
     def _make(self, name: str, options: Any) -> Action:
