@@ -50,6 +50,15 @@ def _add_settings(parser: argparse.ArgumentParser, serve: bool) -> None:
                 help="run on simulated GPUs: the built-in scenario, or SCENARIO.yaml "
                 f"(config simulate, env {setting.env})",
             )
+        elif setting.key == "expose_cmdline":
+            parser.add_argument(
+                setting.flag,
+                nargs="?",
+                const="true",
+                metavar="true|false",
+                dest=setting.key,
+                help=help_text,
+            )
         else:
             parser.add_argument(
                 setting.flag,
@@ -116,7 +125,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     config = _config(args)
     _setup_logging("critical")  # status reports failures itself, in one line
     with _simulation(config):
-        collector = Collector(Nvml(), ProcFs(config.proc_root), lock_dir=_agent_lock_dir(config))
+        collector = Collector(
+            Nvml(),
+            ProcFs(config.proc_root),
+            lock_dir=_agent_lock_dir(config),
+            expose_cmdline=config.expose_cmdline,
+        )
         try:
             snapshot = collector.sample()
         finally:
@@ -147,6 +161,23 @@ def _agent_lock_dir(config: Config) -> str | None:
         return None
 
 
+def _check_tls(config: Config) -> None:
+    """Load the TLS files once, so that a bad one is a usage error (exit 2) naming its setting
+    rather than a failure to serve."""
+    from exporter.server import tls_context
+
+    if not config.tls_cert_file:
+        return
+    checks = [("--tls-cert-file/--tls-key-file (tls.cert_file, tls.key_file)", None)]
+    if config.tls_client_ca_file:  # checked second: the certificate is known good by then
+        checks.append(("--tls-client-ca-file (tls.client_ca_file)", config.tls_client_ca_file))
+    for settings, client_ca in checks:
+        try:
+            tls_context(config.tls_cert_file, config.tls_key_file or "", client_ca)
+        except OSError as exc:  # ssl.SSLError included
+            raise ConfigError(settings, "", str(exc)) from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Sample and serve until SIGTERM or SIGINT; SIGHUP reloads the config."""
     from exporter.actions.scheduler import ActionEngine
@@ -154,6 +185,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from exporter.sampler import Sampler
 
     config = _config(args)
+    _check_tls(config)
     _setup_logging(config.log_level)
     stop, reload = threading.Event(), threading.Event()
 
@@ -169,7 +201,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with _simulation(config) as driver:
         procfs = ProcFs(config.proc_root)
         lock_dir = _agent_lock_dir(config)
-        collector = Collector(Nvml(), procfs, lock_dir=lock_dir)
+        collector = Collector(
+            Nvml(), procfs, lock_dir=lock_dir, expose_cmdline=config.expose_cmdline
+        )
         sampler = Sampler(
             collector, interval=config.interval, deadline=config.deadline, history=config.history
         )
@@ -239,6 +273,7 @@ def _reload(args: argparse.Namespace, running: Config, sampler: Any, engine: Any
     logging.getLogger().setLevel(new.log_level.upper())
     sampler.interval, sampler.deadline = new.interval, new.deadline
     sampler.stats.interval_seconds = new.interval
+    sampler.collector.expose_cmdline = new.expose_cmdline  # from the next sample on
     engine.reload(new.actions)
     changed = [
         key for attr, key in _RESTART_ONLY.items() if getattr(new, attr) != getattr(running, attr)
@@ -252,8 +287,15 @@ def _reload(args: argparse.Namespace, running: Config, sampler: Any, engine: Any
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     """Validate a config file."""
-    load_config(args.file, environ={})
+    from exporter import privileges
+
+    config = load_config(args.file, environ={})
+    _check_tls(config)
     print(f"{args.file}: ok")
+    reaper = config.actions.actions["zombie_reaper"]
+    if reaper.enabled:  # valid, but what this process could not do if it ran the agent
+        for line in privileges.reaper_warnings(reaper.options.dry_run, privileges.effective()):
+            print(f"gpu-exporter: warning (as this command runs): {line}", file=sys.stderr)
     return EXIT_OK
 
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from exporter.launcher.locks import held_locks
+from exporter.launcher.locks import LockError, held_locks, provision
 from exporter.nvml import GpuFailed, Nvml, NvmlProcess, NvmlUnavailable
 from exporter.procfs import ProcessInfo, ProcFs
 from exporter.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, SampleError, Snapshot
@@ -33,10 +33,13 @@ class Collector:
         backoff_initial: float = 1.0,
         backoff_max: float = 60.0,
         lock_dir: str | None = None,
+        expose_cmdline: bool = False,
     ) -> None:
         self.nvml = nvml
         self.procfs = procfs
         self.lock_dir = lock_dir
+        #: Command lines may hold secrets (tokens in argv): off, Snapshots never carry them.
+        self.expose_cmdline = expose_cmdline
         self._clock = clock
         self._monotonic = monotonic
         self._backoff_initial = backoff_initial
@@ -49,6 +52,10 @@ class Collector:
         self._last_known: dict[int, GpuInfo] = {}  # identity for labels while a GPU is down
         self._count: int | None = None
         self._seq = 0
+        #: index (-1: the host) -> (when, delay): static facts that a transient error left
+        #: incomplete are read again then, the delay doubling while they stay incomplete.
+        self._reread: dict[int, tuple[float, float]] = {}
+        self._provisioned: set[str] = set()  # GPUs whose lock file was made or checked
 
     def sample(self) -> Snapshot:
         """Take one sample. Never raises for NVML, GPU or procfs trouble: it is in the Snapshot."""
@@ -60,6 +67,9 @@ class Collector:
             self._initialize(errors, started)
         if self.nvml.initialized:
             try:
+                if self._due(-1, started):
+                    self._host = self.nvml.read_host()
+                    self._note_statics(-1, started)
                 gpus = self._sample_gpus(errors)
             except NvmlUnavailable as exc:
                 self._lost(exc, errors, started)
@@ -93,6 +103,8 @@ class Collector:
             self._down(exc, errors, now)
             return
         self._infos.clear()
+        self._reread.clear()
+        self._note_statics(-1, now)
         if self._nvml_error:
             log.warning("NVML is back: driver %s", self._host.driver_version or "?")
         else:
@@ -125,6 +137,32 @@ class Collector:
         self._next_init = now + self._backoff
         self._backoff = min(self._backoff * 2, self._backoff_max)
 
+    def _due(self, index: int, now: float) -> bool:
+        """Whether incomplete static facts of ``index`` (-1: the host) are to be read again."""
+        due = self._reread.get(index)
+        return due is not None and now >= due[0]
+
+    def _note_statics(self, index: int, now: float) -> None:
+        """After a static read: schedule the next try when it came back incomplete."""
+        if index in self.nvml.incomplete:
+            delay = self._reread[index][1] * 2 if index in self._reread else self._backoff_initial
+            delay = min(delay, self._backoff_max)
+            self._reread[index] = (now + delay, delay)
+        else:
+            self._reread.pop(index, None)
+
+    def _provision_lock(self, uuid: str) -> None:
+        """Make the GPU's lock file the agent's own, once per GPU (see ``locks.provision``)."""
+        if not self.lock_dir or uuid in self._provisioned:
+            return
+        self._provisioned.add(uuid)
+        try:
+            warning = provision(self.lock_dir, uuid)
+        except (LockError, OSError) as exc:
+            warning = f"cannot make the lock file of {uuid}: {exc}"
+        if warning:
+            log.warning("%s", warning)
+
     # -- GPUs ---------------------------------------------------------------------------------
 
     def _sample_gpus(self, errors: list[SampleError]) -> tuple[Gpu, ...]:
@@ -136,19 +174,33 @@ class Collector:
         seen: dict[int, ProcessInfo | None] = {}  # procfs is read once per pid per sample
         gpus = tuple(self._sample_gpu(index, errors, seen) for index in range(count))
         self.procfs.retain(set(seen))
-        return gpus
+        answering = {gpu.uuid: gpu.index for gpu in gpus if gpu.up}
+        return tuple(  # a failed GPU labelled from memory never takes a UUID another reports
+            replace(gpu, uuid="", info=None)
+            if not gpu.up and answering.get(gpu.uuid, gpu.index) != gpu.index
+            else gpu
+            for gpu in gpus
+        )
 
     def _sample_gpu(
         self, index: int, errors: list[SampleError], seen: dict[int, ProcessInfo | None]
     ) -> Gpu:
         info = self._infos.get(index)
+        now = self._monotonic()
+        if info is not None and self._due(index, now):
+            info = None
         try:
             if info is None:
                 info = self.nvml.read_info(index)
+                self._note_statics(index, now)
                 known = self._last_known.get(index)
                 if known is not None and known.uuid != info.uuid:
                     log.warning("GPU %d is now %s (was %s)", index, info.uuid, known.uuid)
                 self._infos[index] = self._last_known[index] = info
+                self._provision_lock(info.uuid)
+                for other in [i for i, o in self._infos.items() if o.uuid == info.uuid]:
+                    if other != index:  # it moved here (one left, one came): read that one again
+                        del self._infos[other]
             reading = self.nvml.read_gpu(info)
         except GpuFailed as exc:
             if self._infos.pop(index, None) is not None:
@@ -183,12 +235,15 @@ class Collector:
         for (pid, kind), used in merged.items():
             if pid not in seen:
                 seen[pid] = self.procfs.process(pid)
-            out.append(to_gpu_process(pid, kind, used, seen[pid]))
+            out.append(to_gpu_process(pid, kind, used, seen[pid], self.expose_cmdline))
         return tuple(out)
 
 
-def to_gpu_process(pid: int, kind: str, used: int | None, info: ProcessInfo | None) -> GpuProcess:
-    """A Snapshot process from NVML's view and procfs' (None: not visible under the root)."""
+def to_gpu_process(
+    pid: int, kind: str, used: int | None, info: ProcessInfo | None, cmdline: bool = False
+) -> GpuProcess:
+    """A Snapshot process from NVML's view and procfs' (None: not visible under the root);
+    its command line only when ``cmdline``."""
     if info is None:
         return GpuProcess(pid=pid, type=kind, used_memory_bytes=used, visible=False)
     return GpuProcess(
@@ -199,7 +254,7 @@ def to_gpu_process(pid: int, kind: str, used: int | None, info: ProcessInfo | No
         name=info.name,
         user=info.user,
         uid=info.uid,
-        cmdline=info.cmdline,
+        cmdline=info.cmdline if cmdline else (),
         state=info.state,
         ppid=info.ppid,
         pgid=info.pgid,

@@ -51,6 +51,7 @@ class Config:
     tls_client_ca_file: str | None
     history: int
     actions: ActionsConfig
+    expose_cmdline: bool = False  # command lines in /snapshot and status (they may hold secrets)
 
 
 def parse_listen(value: Any) -> Listen:
@@ -101,7 +102,10 @@ def _simulate(value: Any) -> str | None:
         raise ValueError(f"scenario file {path!r} does not exist")
     from exporter.simulate import load_scenario  # only configs that simulate pay for it
 
-    load_scenario(path)  # a broken scenario fails check-config too, with its own file:line
+    try:  # a broken scenario fails check-config too, with its own file:line
+        load_scenario(path)
+    except ConfigError as exc:  # after the flag, variable or file:line that named the file
+        raise ValueError(str(exc)) from None
     return path
 
 
@@ -119,6 +123,17 @@ def _optional_file(value: Any) -> str | None:
     if not os.path.isfile(path):
         raise ValueError(f"file {path!r} does not exist")
     return path
+
+
+def _switch(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "on", "1"):
+        return True
+    if text in ("false", "no", "off", "0"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
 
 
 def _history(value: Any) -> int:
@@ -209,6 +224,14 @@ SETTINGS: tuple[Setting, ...] = (
         "require client certificates signed by this CA",
     ),
     Setting("history", "--history", _history, 120, "Snapshots kept for rules over time"),
+    Setting(
+        "expose_cmdline",
+        "--expose-cmdline",
+        _switch,
+        False,
+        "show processes' full command lines in /snapshot and status (they may hold secrets; "
+        "default: the process name only)",
+    ),
 )
 BY_KEY = {setting.key: setting for setting in SETTINGS}
 
@@ -281,6 +304,7 @@ def load_config(
         tls_client_ca_file=values["tls.client_ca_file"],
         history=values["history"],
         actions=actions,
+        expose_cmdline=values["expose_cmdline"],
     )
 
 

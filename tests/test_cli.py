@@ -62,7 +62,7 @@ def gone(pid: int, script: str) -> bool:
 
 
 def test_status_simulate_table() -> None:
-    result = run_cli("status", "--simulate")
+    result = run_cli("status", "--simulate", "--expose-cmdline")
     assert "Traceback" not in result.stderr, result.stderr
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -92,7 +92,7 @@ def test_status_simulate_table() -> None:
 def test_status_simulate_json() -> None:
     before = time.time()
     with subprocess.Popen(
-        [sys.executable, "-m", "exporter", "status", "--simulate", "--json"],
+        [sys.executable, "-m", "exporter", "status", "--simulate", "--json", "--expose-cmdline"],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -370,7 +370,7 @@ SERVE = (sys.executable, "-m", "exporter", "serve", "--simulate")
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_serve_and_stop_on_signal(tmp_path: Path, signum: signal.Signals) -> None:
-    with serve(tmp_path, "--simulate", "--interval", "0.2") as (proc, port):
+    with serve(tmp_path, "--simulate", "--interval", "0.2", "--expose-cmdline") as (proc, port):
         healthz_until(proc, port)
         status, metrics = http_get(f"http://127.0.0.1:{port}/metrics")
         assert status == 200

@@ -124,3 +124,28 @@ def test_client_certificate_required(simulated, pki):
         assert b"gpu_up" in _get(server.port, trusted)
     finally:
         server.close()
+
+
+def test_client_certificate_of_another_ca_is_refused(simulated, pki, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    stranger = _make_pki(other)  # its own CA: a client certificate the server never trusted
+    server = _start(
+        simulated,
+        cert_file=pki["server.pem"],
+        key_file=pki["server.key"],
+        client_ca_file=pki["ca.pem"],
+    )
+    try:
+        context = ssl.create_default_context(cafile=pki["ca.pem"])
+        context.load_cert_chain(stranger["client.pem"], stranger["client.key"])
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            _get(server.port, context)
+        trusted = ssl.create_default_context(cafile=pki["ca.pem"])
+        trusted.load_cert_chain(pki["client.pem"], pki["client.key"])
+        with urllib.request.urlopen(
+            f"https://127.0.0.1:{server.port}/healthz", context=trusted, timeout=5
+        ) as response:
+            assert response.status == 200  # the server is fine: only the stranger was refused
+    finally:
+        server.close()

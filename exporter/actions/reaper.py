@@ -31,6 +31,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from exporter import privileges
 from exporter.actions.audit import AuditLog
 from exporter.actions.base import Action
 from exporter.launcher.locks import SUFFIX as LOCK_SUFFIX
@@ -135,10 +136,16 @@ _LOCKS = "\0launcher locks"  # the key of lock-file holders in the descriptor sc
 
 
 def _lock_files(lock_dir: str | None) -> list[str]:
+    """The lock files in ``lock_dir``: regular files only, since anyone may plant a link there
+    (one to ``/dev/nvidiaN`` would pass every holder of that GPU off as a launcher's job)."""
     if not lock_dir:
         return []
     try:
-        return [e.path for e in os.scandir(lock_dir) if e.name.endswith(LOCK_SUFFIX)]
+        return [
+            e.path
+            for e in os.scandir(lock_dir)
+            if e.name.endswith(LOCK_SUFFIX) and e.is_file(follow_symlinks=False)
+        ]
     except OSError:
         return []
 
@@ -179,17 +186,28 @@ class ZombieReaper(Action):
         self._leaks: dict[str, _Seen] = {}  # uuid -> first seen leaking
         self._pending: dict[tuple[int, int], _Pending] = {}
         self._confirm: dict[tuple[int, int], tuple[str, int, float]] = {}
-        self._given_up: set[tuple[int, int]] = set()  # unkillable: never signalled again
+        # never signalled again: "unkillable" (survived SIGKILL) or "signal_failed" (EPERM...)
+        self._given_up: dict[tuple[int, int], str] = {}
         self._reported: set[tuple[Any, ...]] = set()
         self._counts: dict[tuple[int, str], dict[str, int]] | None = None
         self.actions_total: dict[tuple[str, str], int] = {}
+        self._caps = privileges.effective()
+        self._warn_privileges(None)
 
     def reconfigure(self, config: ReaperConfig) -> None:
         """New settings; what is being watched or signalled carries on under them."""
         if config.audit_log != self.config.audit_log:
             self.audit.close()
             self.audit = AuditLog(config.audit_log)
-        self.config = config
+        before, self.config = self.config, config
+        self._warn_privileges(before)
+
+    def _warn_privileges(self, before: ReaperConfig | None) -> None:
+        """Log, once, each thing the settings ask for that the capabilities do not allow."""
+        told = set(privileges.reaper_warnings(before.dry_run, self._caps)) if before else set()
+        for line in privileges.reaper_warnings(self.config.dry_run, self._caps):
+            if line not in told:
+                log.warning("%s", line)
 
     # -- the run --------------------------------------------------------------------------
 
@@ -224,7 +242,7 @@ class ZombieReaper(Action):
         for path in _lock_files(self.lock_dir):
             identity = file_identity(path)
             if identity is not None:
-                wanted[identity] = _LOCKS
+                wanted.setdefault(identity, _LOCKS)  # never in place of a GPU's device node
         holders, unreadable = scan_fd_holders(self.procfs.root, wanted, ("nvidia", LOCK_SUFFIX))
         # PID 1 (init, or a container's sandbox) never holds a GPU; some sandboxes hide its fds
         complete = not unreadable - {1}
@@ -333,7 +351,7 @@ class ZombieReaper(Action):
             key = (info.pid, info.start_ticks)
             if key in self._pending:
                 continue
-            reason = "unkillable" if key in self._given_up else self._protection(info)
+            reason = self._given_up.get(key) or self._protection(info)
             if not reason and self.config.dry_run:
                 reason = "dry_run"
             if not reason and started >= self.config.max_kills_per_run:
@@ -369,9 +387,14 @@ class ZombieReaper(Action):
             signal.pidfd_send_signal(pidfd, signal.SIGTERM)
         except OSError as exc:
             os.close(pidfd)
-            self._audit(finding, "signal_failed", error=exc.strerror or str(exc))
-            self._count("signal", "error")
+            self._audit(finding, "signal_failed", signal="SIGTERM", error=exc.strerror or str(exc))
+            self._signal_failed((info.pid, info.start_ticks), "SIGTERM", exc)
             return False
+        except Exception as exc:  # a bug after the record: record the outcome, keep no pidfd
+            os.close(pidfd)
+            self._audit(finding, "signal_failed", signal="SIGTERM", error=repr(exc))
+            self._count("signal", "error")
+            raise
         self._count("signal", "sigterm")
         log.warning(
             "sent SIGTERM to orphan pid %d (%s) holding GPU %d",
@@ -395,8 +418,19 @@ class ZombieReaper(Action):
                 if not self._write({**event, "event": "signalling", "signal": "SIGKILL"}):
                     self._count("skip", "audit_failed")
                     continue
-                with contextlib.suppress(OSError):
+                try:
                     signal.pidfd_send_signal(pending.pidfd, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # it has just exited: the next run sees it so
+                except OSError as exc:
+                    error = exc.strerror or str(exc)
+                    self._write(
+                        {**event, "event": "signal_failed", "signal": "SIGKILL", "error": error}
+                    )
+                    if self._signal_failed(key, "SIGKILL", exc):
+                        os.close(pending.pidfd)
+                        del self._pending[key]
+                    continue  # else SIGKILL again at the next run
                 self._count("signal", "sigkill")
                 pending.killed_at = now
                 continue
@@ -406,7 +440,7 @@ class ZombieReaper(Action):
             ):
                 self._write({**event, "event": "unkillable"})
                 self._count("signal", "unkillable")
-                self._given_up.add(key)
+                self._given_up[key] = "unkillable"
                 log.error(
                     "pid %d survived SIGKILL for %.0fs: unkillable",
                     pending.pid,
@@ -487,6 +521,26 @@ class ZombieReaper(Action):
     def _write(self, record: dict[str, Any]) -> bool:
         return self.audit.write({"action": self.name, **record})
 
+    def _signal_failed(self, key: tuple[int, int], name: str, exc: OSError) -> bool:
+        """Count and log a signal the kernel refused (the caller has audited it). EPERM (no
+        CAP_KILL for another user's process) is for good: True, never signalled again."""
+        self._count("signal", "error")
+        denied = isinstance(exc, PermissionError)
+        if denied:
+            self._given_up[key] = "signal_failed"
+        hint = ""
+        if denied and "CAP_KILL" not in (self._caps or {"CAP_KILL"}):
+            hint = " (the agent lacks CAP_KILL: see docs/deploy.md)"
+        log.error(
+            "cannot send %s to orphan pid %d: %s%s%s",
+            name,
+            key[0],
+            exc.strerror or exc,
+            hint,
+            "; it will not be signalled again" if denied else "",
+        )
+        return denied
+
     def _count(self, action: str, outcome: str) -> None:
         key = (action, outcome)
         self.actions_total[key] = self.actions_total.get(key, 0) + 1
@@ -521,7 +575,15 @@ class ZombieReaper(Action):
         )
         for (action, outcome), count in sorted(self.actions_total.items()):
             actions.add_metric([action, outcome], count)
-        return [zombies, actions] if self._counts is not None else [actions]
+        audit = CounterMetricFamily(
+            "gpu_exporter_audit_write_failures",
+            "Audit log writes that failed (disk full, permissions); no signal follows one.",
+            labels=[],
+        )
+        audit.add_metric([], self.audit.failures)
+        caps = privileges.capability_family(self._caps)
+        found = [actions, caps, audit]
+        return [zombies, *found] if self._counts is not None else found
 
     def close(self) -> None:
         """Release the pidfds of processes still being watched, and the audit log."""

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 #: The shared, system-wide lock directory (sticky and world-writable, like /tmp).
 SYSTEM_LOCK_DIR = "/run/gpu-exporter/locks"
 SUFFIX = ".lock"
+#: Where the per-user fallback directory goes without XDG_RUNTIME_DIR (a variable for tests).
+USER_TMP = "/tmp"
 
 
 class LockError(Exception):
@@ -34,7 +36,11 @@ def default_lock_dir() -> str:
     if _ensure_system_dir():
         return SYSTEM_LOCK_DIR
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = os.path.join(runtime, "gpu-exporter") if runtime else f"/tmp/gpu-exporter-{os.getuid()}"
+    base = (
+        os.path.join(runtime, "gpu-exporter")
+        if runtime
+        else os.path.join(USER_TMP, f"gpu-exporter-{os.getuid()}")
+    )
     path = os.path.join(base, "locks")
     try:
         os.makedirs(base, mode=0o700, exist_ok=True)
@@ -64,6 +70,33 @@ def _ensure_system_dir() -> bool:
     return True
 
 
+def check_lock_dir(lock_dir: str) -> None:
+    """Refuse a lock directory in which another user could remove or replace our lock files
+    (and so let a second job onto a locked GPU): it must belong to root or to us, and be sticky
+    if others may write to it."""
+    me = os.geteuid()
+    try:
+        link, info = os.lstat(lock_dir), os.stat(lock_dir)
+    except OSError as exc:
+        raise LockError(f"cannot use the lock directory {lock_dir}: {exc.strerror}") from None
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (0, me):
+        raise LockError(
+            f"{lock_dir} is a symbolic link of another user (uid {link.st_uid}); refusing to use it"
+        )
+    if not stat.S_ISDIR(info.st_mode):
+        raise LockError(f"{lock_dir} is not a directory")
+    if info.st_uid not in (0, me):
+        raise LockError(
+            f"{lock_dir} belongs to another user (uid {info.st_uid}), who could remove or replace "
+            "its lock files; use a root-owned directory (mode 1777) or one of your own"
+        )
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        raise LockError(
+            f"{lock_dir} is writable by other users and not sticky: they could remove or replace "
+            "lock files; make it sticky (mode 1777) or writable by its owner only"
+        )
+
+
 def lock_path(lock_dir: str, uuid: str) -> str:
     """The lock file of the GPU ``uuid``; refuses names that could escape the directory."""
     if not uuid or "/" in uuid or uuid.startswith(".") or "\0" in uuid:
@@ -86,12 +119,78 @@ def _open(path: str) -> int:
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise LockError(f"{path} is a symbolic link; refusing to use it") from None
-            raise LockError(f"cannot open {path}: {exc.strerror}") from None
+            raise LockError(f"cannot open {path}: {exc.strerror}{_owner(path)}") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise LockError(f"{path} is not a regular file; refusing to use it")
         return fd
     raise LockError(f"cannot open {path}: it keeps being replaced")
+
+
+def provision(lock_dir: str, uuid: str) -> str:
+    """Create the lock file of ``uuid`` when it does not exist; a warning when it is not safe.
+
+    In the shared sticky directory only a file's owner (and root) may remove it. A lock file that
+    a job's user created can be removed by that user while another user's job holds its lock;
+    the next launcher then locks a new file, and two jobs share the GPU. Made by the agent (root,
+    or the directory's owner) no user can remove it. Returns "" when the file is the agent's,
+    root's or the directory owner's, else a one-line warning. Never takes the lock.
+    """
+    path = lock_path(lock_dir, uuid)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        os.close(_open(path))  # creates it, 0644, never through a link
+        info = os.lstat(path)
+    except OSError as exc:
+        raise LockError(f"cannot check {path}: {exc.strerror}") from None
+    trusted = {0, os.geteuid(), os.stat(lock_dir).st_uid}
+    if stat.S_ISREG(info.st_mode) and info.st_uid in trusted:
+        return ""
+    kind = "" if stat.S_ISREG(info.st_mode) else " (not a regular file)"
+    return (
+        f"{path}{kind} belongs to uid {info.st_uid}, who can remove it while another user's job "
+        "holds the GPU (two jobs could then share it); remove it while no job uses the GPU, "
+        "and the agent makes its own"
+    )
+
+
+def _owner(path: str) -> str:
+    """The owner and mode of ``path`` for messages, in parentheses; empty when unreadable."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return ""
+    return f" (owner uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o})"
+
+
+def _lock(path: str) -> int | None:
+    """Open and flock ``path``: the descriptor, or None when another process holds the lock."""
+    for _ in range(3):
+        fd = _open(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except OSError as exc:  # a filesystem without flock (some NFS setups)
+            os.close(fd)
+            raise LockError(f"cannot lock {path}: {exc.strerror}") from None
+        if _still_named(fd, path):
+            return fd
+        # Removed or replaced between open and flock: a lock on that file guards nothing, since
+        # the next launcher opens whatever the name is now.
+        os.close(fd)
+    raise LockError(f"cannot lock {path}: it keeps being removed or replaced")
+
+
+def _still_named(fd: int, path: str) -> bool:
+    held = os.fstat(fd)
+    try:
+        named = os.lstat(path)
+    except OSError:
+        return False
+    return held.st_nlink > 0 and (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 @dataclass
@@ -118,21 +217,14 @@ def try_lock(lock_dir: str, uuids: Iterable[str]) -> Reservation | None:
     """Lock every GPU in ``uuids`` (in sorted order), or none: None when one is held already."""
     taken: list[int] = []
     ordered = tuple(sorted(set(uuids)))
+    check_lock_dir(lock_dir)
     try:
         for uuid in ordered:
-            fd = _open(lock_path(lock_dir, uuid))
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
+            fd = _lock(lock_path(lock_dir, uuid))
+            if fd is None:
                 for held in taken:
                     os.close(held)
                 return None
-            except OSError as exc:  # a filesystem without flock (some NFS setups)
-                os.close(fd)
-                raise LockError(
-                    f"cannot lock {lock_path(lock_dir, uuid)}: {exc.strerror}"
-                ) from None
             taken.append(fd)
     except BaseException:
         for held in taken:
