@@ -96,14 +96,14 @@ def tls_context(cert_file: str, key_file: str, client_ca_file: str | None) -> ss
         try:
             context.load_verify_locations(client_ca_file)
         except OSError as exc:
-            raise type(exc)(
+            raise OSError(  # plain: str() of an SSLError made from one string is a tuple
                 f"cannot load the client CA file {client_ca_file!r}: {exc.strerror or exc}"
             ) from None
         context.verify_mode = ssl.CERT_REQUIRED
     try:
         context.load_cert_chain(certfile=cert_file, keyfile=key_file)
     except OSError as exc:
-        raise type(exc)(
+        raise OSError(
             f"cannot load the certificate {cert_file!r} or its key {key_file!r}: "
             f"{exc.strerror or exc}"
         ) from None

@@ -122,7 +122,7 @@ def cmd_recommend(args: argparse.Namespace, config: Config) -> int:
         raise UsageError(f"--format: one of {', '.join(FORMATS)}, got {args.format!r}")
     visible_env = os.environ.get("CUDA_VISIBLE_DEVICES")
     cuda_ids: Mapping[str, str] = {}
-    if args.source:  # the agent knows its own policies: check only the flags' values here
+    if args.source is not None:  # the agent knows its own policies: check the flags only
         _with_flags(Policy("flags"), args)
         recommendation, note = _from_agent(args.source, args.policy, _overrides(args), visible_env)
     else:

@@ -1,0 +1,310 @@
+"""Every flag of every subcommand with bad values: exit 2, a message naming the flag, no traceback.
+
+The flags are read from the argparse parsers, so a flag added later fails
+``test_every_flag_has_bad_values`` until it gets bad values in ``BAD`` (or a reason in
+``NO_BAD_VALUE``). The cases run ``main(argv)`` in this process; a handful run the real command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import exporter.cli
+import exporter.launcher.cli
+from exporter.cli import build_parser, main
+from tests.agent import clean_env
+
+#: Bad values of each flag, the same in every subcommand that has it. Placeholders: {missing} a
+#: path that does not exist, {dir} a directory, {file} a file, {garbage} a file of junk bytes,
+#: {bad_config} a config with an unknown key, {bad_scenario} a scenario with one.
+BAD: dict[str, list[str]] = {
+    "--config": ["{missing}", "{dir}", "{garbage}", "{bad_config}"],
+    "--listen": [
+        "nonsense",
+        "127.0.0.1:70000",
+        "127.0.0.1:0",
+        "127.0.0.1:-1",
+        "127.0.0.1:http",
+        "::1:9402",
+        "my host:9402",
+        "",
+    ],
+    "--interval": ["5 parsecs", "-1s", "0", "5ms", "nan", "inf", "1e999", "9" * 400, ""],
+    "--deadline": ["5 parsecs", "-1s", "0", "nan", "soon"],
+    "--log-level": ["loud", "", "INFO2"],
+    "--simulate": ["{missing}", "{dir}", "{garbage}", "{bad_scenario}"],
+    "--proc": ["{missing}", "{file}", ""],
+    "--lock-dir": ["{missing}", "{file}", ""],
+    "--dev": ["{missing}", "{file}", ""],
+    "--tls-cert-file": ["{missing}", "{dir}"],
+    "--tls-key-file": ["{missing}", "{dir}"],
+    "--tls-client-ca-file": ["{missing}", "{dir}"],
+    "--history": ["0", "-1", "100001", "lots", "1.5", "", "9" * 400],
+    "--expose-cmdline": ["maybe", "", "2"],
+    "--count": ["0", "-1", "65", "abc", "1.5", "", "9" * 400],
+    "--policy": ["nope", ""],
+    "--min-free-memory": ["lots", "-1GiB", "8 parsecs", "8GiBs", "", "1" * 400],
+    "--max-utilization": ["1.5", "-0.1", "nan", "inf", "abc", ""],
+    "--max-temperature": ["500", "-100", "hot", "inf", ""],
+    "--strategy": ["random", "", "MOST_FREE_MEMORY"],
+    "--format": ["xml", ""],
+    "--from": ["nonsense", "ftp://localhost/", ""],
+    "--wait": ["5 parsecs", "-1s", "nan", ""],
+    "--restart": ["sometimes", "", "NEVER"],
+    "--max-restarts": ["-1", "many", "1.5", "", "\u00b2"],
+}
+#: Flags that take no value, or whose every value is fine.
+NO_BAD_VALUE = {
+    "--help": "prints help",
+    "--version": "prints the version",
+    "--json": "a switch without a value",
+    "--exclusive": "a switch without a value",
+}
+#: Where the message names the file the user gave instead of the flag.
+NAMES_THE_FILE = {"--config"}
+#: Arguments each subcommand needs besides the flag under test.
+TAIL = {"run": ["--", "true"]}
+
+
+def _options() -> dict[str, dict[str, argparse.Action]]:
+    """Every option of the top-level parser ("") and of each subcommand, by its long name."""
+    parser = build_parser()
+
+    def named(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+        return {max(a.option_strings, key=len): a for a in p._actions if a.option_strings}
+
+    out = {"": named(parser)}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            out.update({name: named(sub) for name, sub in action.choices.items()})
+    return out
+
+
+OPTIONS = _options()
+CASES = [
+    (command, flag, value)
+    for command, options in OPTIONS.items()
+    for flag in options
+    for value in BAD.get(flag, [])
+]
+#: Options that need a value: leaving it out is an argparse error naming the flag.
+VALUED = [
+    (command, flag)
+    for command, options in OPTIONS.items()
+    for flag, action in options.items()
+    if action.nargs is None
+]
+
+
+class Accepted(Exception):
+    """The command got past validation: the bad value was taken."""
+
+
+@pytest.fixture
+def paths(tmp_path: Path) -> dict[str, str]:
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_bytes(b"\x00\xff\xfe not a certificate, not YAML: [\x07\n")
+    bad_config = tmp_path / "bad-config.yaml"
+    bad_config.write_text("interval: 1s\nintervall: 2s\n")
+    bad_scenario = tmp_path / "bad-scenario.yaml"
+    bad_scenario.write_text("gpus:\n  - temprature: 50\n")
+    afile = tmp_path / "file"
+    afile.write_text("")
+    return {
+        "missing": str(tmp_path / "missing"),
+        "dir": str(tmp_path),
+        "file": str(afile),
+        "garbage": str(garbage),
+        "bad_config": str(bad_config),
+        "bad_scenario": str(bad_scenario),
+    }
+
+
+@pytest.fixture
+def guarded(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A clean environment, and every step after validation raises Accepted instead of sampling,
+    serving, locking GPUs or calling an agent."""
+    for name in list(os.environ):
+        if name.startswith("GPU_EXPORTER_"):
+            monkeypatch.delenv(name)
+
+    def accepted(*_: Any, **__: Any) -> Any:
+        raise Accepted
+
+    def setup_logging(level: str) -> None:
+        if level != "critical":  # serve, once its config is valid
+            raise Accepted
+
+    monkeypatch.setattr(exporter.cli, "_setup_logging", setup_logging)
+    monkeypatch.setattr(exporter.cli, "_simulation", accepted)
+    monkeypatch.setattr(exporter.launcher.cli, "LocalGpus", accepted)
+    monkeypatch.setattr(urllib.request, "urlopen", accepted)
+    yield
+
+
+def invoke(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of ``main(argv)`` in this process."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except Accepted:
+        code = None  # type: ignore[assignment]
+    out, err = capsys.readouterr()
+    assert code is not None, f"{argv} was accepted"
+    return code, out, err
+
+
+def test_every_flag_has_bad_values() -> None:
+    flags = {flag for options in OPTIONS.values() for flag in options}
+    assert sorted(flags - BAD.keys() - NO_BAD_VALUE.keys()) == [], "flags without bad values"
+    assert sorted((BAD.keys() | NO_BAD_VALUE.keys()) - flags) == [], "entries for no flag"
+    assert len(CASES) > 150  # every subcommand's flags, not only the first parser's
+
+
+@pytest.mark.usefixtures("guarded")
+@pytest.mark.parametrize(("command", "flag", "value"), CASES, ids=lambda v: repr(v)[:40])
+def test_bad_value(
+    command: str,
+    flag: str,
+    value: str,
+    paths: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    value = value.format(**paths)
+    code, out, err = invoke([command, f"{flag}={value}", *TAIL.get(command, [])], capsys)
+    assert "Traceback" not in err
+    assert code == 2, (code, err)
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 or lines[0].startswith("usage:"), err  # one line, or argparse's
+    needle = value if flag in NAMES_THE_FILE else flag
+    assert needle in lines[-1], (needle, err)
+
+
+@pytest.mark.usefixtures("guarded")
+@pytest.mark.parametrize(("command", "flag"), VALUED)
+def test_missing_value(command: str, flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = invoke([command, flag], capsys)
+    assert code == 2, (code, err)
+    assert f"argument {flag}: expected one argument" in err
+
+
+@pytest.mark.usefixtures("guarded")
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--tls-cert-file={garbage}", "--tls-key-file={garbage}"],
+        ["serve", "--tls-cert-file={file}", "--tls-key-file={file}"],
+        ["serve", "--tls-cert-file={file}"],
+        ["serve", "--tls-key-file={file}"],
+        ["serve", "--tls-client-ca-file={file}"],
+    ],
+    ids=["garbage pem", "empty pem", "cert without key", "key without cert", "ca without cert"],
+)
+def test_bad_tls_files(argv: list[str], paths: dict[str, str], capsys: pytest.CaptureFixture[str]):
+    code, _, err = invoke([arg.format(**paths) for arg in argv], capsys)
+    assert code == 2, (code, err)
+    assert "--tls-" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.usefixtures("guarded")
+@pytest.mark.parametrize("name", ["missing", "dir", "garbage", "bad_config"])
+def test_check_config_bad_file(
+    name: str, paths: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = invoke(["check-config", paths[name]], capsys)
+    assert (code, out) == (2, ""), err
+    assert paths[name] in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_check_config_rejects_bad_tls_material(tmp_path: Path, paths: dict[str, str]) -> None:
+    config = tmp_path / "tls.yaml"
+    config.write_text(f"tls:\n  cert_file: {paths['garbage']}\n  key_file: {paths['garbage']}\n")
+    with pytest.raises(exporter.cli.ConfigError, match=r"tls\.cert_file.*cannot load"):
+        exporter.cli.cmd_check_config(argparse.Namespace(file=str(config)))
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    from tests.test_tls import _make_pki
+
+    return _make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.mark.usefixtures("guarded")
+def test_good_tls_files_pass_and_a_mismatched_key_does_not(
+    pki: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = ["--tls-cert-file", pki["server.pem"], "--tls-key-file", pki["server.key"]]
+    with pytest.raises(Accepted):  # past the TLS check, on to serving
+        main(["serve", *good, "--tls-client-ca-file", pki["ca.pem"]])
+    mismatched = ["--tls-cert-file", pki["server.pem"], "--tls-key-file", pki["client.key"]]
+    code, _, err = invoke(["serve", *mismatched], capsys)
+    assert code == 2 and "--tls-cert-file" in err and pki["client.key"] in err, err
+    code, _, err = invoke(["serve", *good, "--tls-client-ca-file", pki["server.key"]], capsys)
+    assert code == 2 and "--tls-client-ca-file" in err, err
+
+
+@pytest.mark.usefixtures("guarded")
+@pytest.mark.parametrize(
+    "argv",
+    [["run"], ["run", "--"], ["run", "--simulate", "--"]],
+    ids=["no command", "only --", "flags and no command"],
+)
+def test_run_without_a_command(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = invoke(argv, capsys)
+    assert code == 2 and "no command to run" in err, err
+
+
+@pytest.mark.usefixtures("guarded")
+def test_the_guard_catches_an_accepted_value(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without this, a bad value taken as good would pass as long as something failed later."""
+    for argv in (["serve", "--simulate"], ["status", "--simulate"], ["recommend", "--simulate"]):
+        with pytest.raises(AssertionError, match="was accepted"):
+            invoke(argv, capsys)
+
+
+# -- the real command, a few cases ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--interval", "5 parsecs"],
+        ["serve", "--listen", "127.0.0.1:70000"],
+        ["serve", "--tls-cert-file", "{garbage}", "--tls-key-file", "{garbage}"],
+        ["status", "--simulate", "{bad_scenario}"],
+        ["recommend", "--simulate", "--count", "0"],
+        ["run", "--simulate", "--wait", "5 parsecs", "--", "true"],
+    ],
+    ids=lambda argv: " ".join(argv[:3]),
+)
+def test_real_command(argv: list[str], paths: dict[str, str]) -> None:
+    argv = [arg.format(**paths) for arg in argv]
+    flag = next(arg for arg in reversed(argv) if arg.startswith("--") and arg != "--")
+    result = subprocess.run(
+        [sys.executable, "-m", "exporter", *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(),
+        stdin=subprocess.DEVNULL,
+    )
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert flag in result.stderr, result.stderr
