@@ -221,6 +221,7 @@ class SimProcess:
     where: str = ""  # file:line, for errors while starting it
     holds_device: bool = True  # a spawned process keeps its GPU's device node open
     orphan: bool = False  # spawned by a job leader that exits at once
+    churn: float = 0.0  # > 0: a new process (a new PID) every ``churn`` seconds
 
 
 @dataclass(frozen=True)
@@ -333,11 +334,19 @@ def _process(section: Section) -> SimProcess:
         where=section.doc.where(section.keys),
         holds_device=section.get("holds_device", boolean, True),
         orphan=section.get("orphan", boolean, False),
+        churn=section.get("churn", parse_duration, 0.0),
     )
     if (process.pid is None) == (not process.spawn):
         raise section.error(None, "give exactly one of pid and spawn")
     if process.orphan and not process.spawn:
         raise section.error("orphan", "only a spawned process can be made an orphan")
+    if section.has("churn"):
+        if process.churn <= 0:
+            raise section.error("churn", "must be longer than 0s")
+        if process.orphan:
+            raise section.error("churn", "an orphan cannot churn (it is not our child to reap)")
+        if isinstance(process.pid, str):
+            raise section.error("churn", "needs a numeric pid or spawn, not self or parent")
     section.done()
     return process
 
@@ -598,6 +607,7 @@ class SimulatedDriver:
     _pids: dict[tuple[int, int], int] = field(default_factory=dict)
     _energy: dict[int, tuple[float, float]] = field(default_factory=dict)
     _orphans: list[int] = field(default_factory=list)
+    _periods: dict[tuple[int, int], int] = field(default_factory=dict)  # churn: period started
     _initialized: bool = False
     #: A folder of empty ``nvidiaN`` files standing in for the device nodes; spawned processes
     #: hold theirs open, as CUDA processes hold ``/dev/nvidiaN`` (use it as ``paths.dev``).
@@ -947,7 +957,38 @@ class SimulatedDriver:
         t = self.now()
         for p, proc in enumerate(h.gpu.processes):
             if proc.window.holds(t) and (kind is None or proc.type == kind):
-                yield self._pids[(h.index, p)], max(proc.memory.at(t), 0.0)
+                pid = self._churn(h, p, proc, t) if proc.churn else self._pids[(h.index, p)]
+                if pid is not None:
+                    yield pid, max(proc.memory.at(t), 0.0)
+
+    def _churn(self, h: _Handle, p: int, proc: SimProcess, t: float) -> int | None:
+        """The PID a churning entry lists at ``t``: a new one every ``proc.churn`` seconds.
+
+        A ``pid`` entry counts up from its PID. A ``spawn`` entry's process is killed and reaped
+        and the program started again when its period ends, or at once when it has exited by
+        itself; None when the new one could not be started (tried again at the next listing).
+        """
+        period = int((t - proc.window.start) // proc.churn)
+        if not proc.spawn:
+            return int(proc.pid) + period  # type: ignore[arg-type]
+        key = (h.index, p)
+        pid = self._pids.get(key)
+        child = next((c for c in self._children if c.pid == pid), None)
+        if child is not None and self._periods.get(key, 0) == period and child.poll() is None:
+            return pid
+        if child is not None:
+            self._children.remove(child)
+            with contextlib.suppress(OSError):
+                child.kill()
+            child.wait()
+        self._pids.pop(key, None)
+        device = os.path.join(self.dev_root, f"nvidia{h.gpu.minor_number}")
+        try:
+            pid = self._start(proc, f"gpus[{h.index}].processes[{p}].spawn", device)
+        except OSError:  # no fork now (EAGAIN, ENOMEM): list none until it can start
+            return None
+        self._pids[key], self._periods[key] = pid, period
+        return pid
 
 
 def simulate(path: str, clock: Callable[[], float] = time.monotonic) -> SimulatedDriver:

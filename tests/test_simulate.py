@@ -166,3 +166,89 @@ def test_c_symbols_serve_pynvmls_own_struct_code():
             pynvml._nvmlGetFunctionPointer("nvmlDeviceGetBAR1MemoryInfo")
     finally:
         driver.uninstall()
+
+
+def _listed(handle) -> list[int]:
+    return [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
+
+
+def test_a_churning_pid_is_a_new_pid_every_period(simulated, clock):
+    simulated(
+        "gpus:\n"
+        "  - processes:\n"
+        "      - {pid: 5000000, churn: 1s}\n"
+        "      - {pid: 6000000, churn: 250ms, from: 2s}\n"
+    )
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    seen = []
+    for _ in range(7):  # t = 0, 0.5, ... 3 s
+        seen.append(_listed(handle))
+        clock.advance(0.5)
+    assert seen == [
+        [5000000],
+        [5000000],
+        [5000001],
+        [5000001],
+        [5000002, 6000000],  # the second from 2 s, counting its periods from there
+        [5000002, 6000002],
+        [5000003, 6000004],
+    ]
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rsplit(b")", 1)[1].split()[0].decode()
+    except OSError:
+        return None
+
+
+def test_a_churning_spawn_is_a_new_child_every_period_and_the_old_one_is_reaped(simulated, clock):
+    driver = simulated(
+        "gpus:\n"
+        "  - processes:\n"
+        '      - {spawn: [python3, -c, "import time; time.sleep(60)"], churn: 1s}\n'
+    )
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    (first,) = _listed(handle)
+    clock.advance(0.5)
+    assert _listed(handle) == [first]  # the same process within its period
+    clock.advance(0.6)
+    (second,) = _listed(handle)
+    assert second != first
+    assert _state(first) is None  # killed and reaped: not even a zombie
+    assert _state(second) in ("R", "S")
+    assert [c.pid for c in driver._children] == [second]  # no Popen kept for the old one
+    driver.uninstall()
+    assert _state(second) is None
+
+
+def test_a_churning_spawn_that_exits_early_is_started_again(simulated, clock):
+    simulated("gpus:\n  - processes:\n      - {spawn: [python3, -c, pass], churn: 1h}\n")
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    (first,) = _listed(handle)
+    deadline = time.monotonic() + 10
+    while _state(first) not in ("Z", None) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _state(first) == "Z"  # exited, not yet reaped: the next listing reaps it
+    (second,) = _listed(handle)
+    assert second != first and _state(first) is None
+
+
+@pytest.mark.parametrize(
+    ("entry", "needle"),
+    [
+        ("{pid: self, churn: 1s}", "numeric pid or spawn"),
+        ("{pid: 7, churn: 0s}", "longer than 0s"),
+        ("{spawn: [sleep, '9'], orphan: true, churn: 1s}", "an orphan cannot churn"),
+        ("{pid: 7, churn: often}", "churn"),
+    ],
+)
+def test_bad_churn_is_refused_with_its_key(entry, needle):
+    with pytest.raises(ConfigError) as failed:
+        parse(f"gpus:\n  - processes: [{entry}]\n")
+    message = str(failed.value)
+    assert message.startswith("s.yaml:2") and needle in message, message
