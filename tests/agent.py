@@ -15,8 +15,8 @@ from pathlib import Path
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without GPU_EXPORTER_* variables, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_EXPORTER_")}
+    """This environment without GPU_EXPORTER_* and CUDA_* variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_EXPORTER_", "CUDA_"))}
     env.update(extra)
     return env
 
@@ -48,14 +48,18 @@ def serve(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], i
         stdout=subprocess.DEVNULL,
         stderr=err,
         text=True,
-        env=clean_env(),
+        env=clean_env(TMPDIR=str(tmp_path)),  # its simulated device folder goes with the test's
     )
     proc.stderr_path = err.name  # type: ignore[attr-defined]
     try:
         yield proc, port
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # SIGTERM first: it stops its simulated processes and cleans up
+            proc.terminate()
+            try:
+                proc.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         proc.wait()
         err.close()
 

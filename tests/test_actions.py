@@ -325,15 +325,37 @@ def test_agent_finds_the_orphan_of_a_simulated_job(tmp_path, dry_run):
         while not audit.exists() or wanted not in audit.read_text():
             assert time.monotonic() < deadline, stderr_of(agent)
             time.sleep(0.1)
-        status, body = http_get(f"http://127.0.0.1:{port}/metrics")
-        assert status == 200
-        found = samples(body.encode())
-        assert one(found, "gpu_zombie_processes", gpu="0", **{"class": "orphan"}) == 1
+        # The metrics are rendered when the run that wrote the line ends: poll for them.
+        # The gauge counts the orphan while it lives (always, in a dry run); the counters last.
+        wanted_metrics = {("gpu_exporter_zombie_actions_total", "report", "orphan"): 1}
+        if dry_run:
+            wanted_metrics[("gpu_zombie_processes", "0", "orphan")] = 1
+        else:
+            wanted_metrics[("gpu_exporter_zombie_actions_total", "signal", "sigterm")] = 1
+        while True:
+            status, body = http_get(f"http://127.0.0.1:{port}/metrics")
+            assert status == 200
+            found = samples(body.encode())
+            seen = {key: _reaper_value(found, *key) for key in wanted_metrics}
+            if all(seen[key] == value for key, value in wanted_metrics.items()):
+                break
+            assert time.monotonic() < deadline + 10, (seen, stderr_of(agent))
+            time.sleep(0.05)
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=5) == 0
     events = [json.loads(line) for line in audit.read_text().splitlines()]
     assert events[0]["event"] == "found" and events[0]["class"] == "orphan"
     assert len({e["pid"] for e in events}) == 1  # the job's live process is left alone
+
+
+def _reaper_value(found: dict, name: str, first: str, second: str) -> float | None:
+    """The value of a reaper series, or None while it is not exported yet."""
+    if name == "gpu_zombie_processes":
+        labels = {"gpu": first, "class": second}
+    else:
+        labels = {"action": first, "outcome": second}
+    values = [s.value for s in found.get(name, []) if labels.items() <= s.labels.items()]
+    return values[0] if values else None
 
 
 @pytest.mark.parametrize(

@@ -357,7 +357,9 @@ def test_recommend_from_a_running_agent(host, tmp_path):
 
 def test_reserve_is_exclusive_and_sets_the_environment(host, monkeypatch):
     scenario, locks = host
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
+        monkeypatch.setenv(name, "")  # so that the end of the test restores them, set or not
+        monkeypatch.delenv(name)
     options = {"simulate": str(scenario), "lock_dir": str(locks)}
     with reserve(1, **options) as first:
         assert os.environ["CUDA_VISIBLE_DEVICES"] == first[0].uuid
