@@ -236,10 +236,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             config.interval,
             f", simulated GPUs: {config.simulate}" if driver else "",
         )
+        waiting = False  # a reload waits for a running action, a second at a time
         while not stop.wait(0.2):
-            if reload.is_set():
+            if reload.is_set() or waiting:
                 reload.clear()
-                config = _reload(args, config, sampler, engine)
+                reloaded = _reload(args, config, sampler, engine, waiting)
+                waiting = reloaded is None
+                config = reloaded or config
         server.close()
         engine.stop()
         if not sampler.stop(timeout=0.5):
@@ -263,18 +266,31 @@ _RESTART_ONLY = {
 }
 
 
-def _reload(args: argparse.Namespace, running: Config, sampler: Any, engine: Any) -> Config:
-    """Apply the config file again; an invalid one is rejected and the running config stays."""
+def _reload(
+    args: argparse.Namespace, running: Config, sampler: Any, engine: Any, waiting: bool = False
+) -> Config | None:
+    """Apply the config file again; an invalid one is rejected and the running config stays.
+
+    None when an action's run is still in progress after a second: nothing was applied, and the
+    caller tries again (so SIGTERM is still heard while a run takes long).
+    """
+    from exporter.actions.scheduler import ActionBusy
+
     try:
         new = _config(args)
     except ConfigError as exc:
         log.error("config reload rejected, the running config stays: %s", exc)
         return running
+    try:
+        engine.reload(new.actions, timeout=1.0)  # first: the only part that can be busy
+    except ActionBusy as exc:
+        if not waiting:
+            log.info("config reload waits for the %s action's run to end", exc)
+        return None
     logging.getLogger().setLevel(new.log_level.upper())
     sampler.interval, sampler.deadline = new.interval, new.deadline
     sampler.stats.interval_seconds = new.interval
     sampler.collector.expose_cmdline = new.expose_cmdline  # from the next sample on
-    engine.reload(new.actions)
     changed = [
         key for attr, key in _RESTART_ONLY.items() if getattr(new, attr) != getattr(running, attr)
     ]

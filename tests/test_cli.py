@@ -426,3 +426,34 @@ def test_second_server_on_same_port(tmp_path: Path) -> None:
         # The first one is unharmed.
         assert first.poll() is None
         assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 200
+
+
+def test_a_reload_that_must_wait_for_a_running_action_applies_nothing_yet(tmp_path):
+    from types import SimpleNamespace
+
+    from exporter.actions.scheduler import ActionBusy
+    from exporter.cli import _config, _reload, build_parser
+
+    path = write(tmp_path, "interval: 7s\n")
+    args = build_parser().parse_args(["serve", "--config", path])
+    running = _config(args)
+    sampler = SimpleNamespace(
+        interval=1.0, deadline=1.0, stats=SimpleNamespace(interval_seconds=1.0), collector=None
+    )
+    reloads = []
+
+    class Engine:
+        busy = True
+
+        def reload(self, actions, timeout=None):
+            reloads.append(timeout)
+            if self.busy:
+                raise ActionBusy("zombie_reaper")
+
+    engine = Engine()
+    assert _reload(args, running, sampler, engine) is None  # the caller tries again
+    assert sampler.interval == 1.0 and reloads == [1.0]  # bounded wait; nothing applied
+    engine.busy = False
+    sampler.collector = SimpleNamespace(expose_cmdline=True)
+    assert _reload(args, running, sampler, engine, waiting=True).interval == 7.0
+    assert sampler.interval == 7.0 and sampler.collector.expose_cmdline is False

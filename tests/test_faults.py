@@ -32,7 +32,7 @@ import pynvml
 import pytest
 
 from exporter.actions.recommend import Policy, recommend
-from exporter.actions.scheduler import ActionEngine, parse_actions
+from exporter.actions.scheduler import ActionBusy, ActionEngine, parse_actions
 from exporter.collect import Collector
 from exporter.metrics import SelfStats, render
 from exporter.nvml import Nvml
@@ -886,6 +886,9 @@ def test_a_reload_in_the_middle_of_a_run_waits_for_it_and_applies_whole(
         .root()
         .section("actions")
     )
+    with pytest.raises(ActionBusy, match="thermal"):  # the agent's main loop waits no longer
+        engine.reload(new, timeout=0.2)
+    assert reaper.config.min_age == 60 and "recommend" in engine._actions  # nothing applied
     reloading = threading.Thread(target=engine.reload, args=(new,))
     reloading.start()
     reloading.join(0.5)

@@ -130,6 +130,10 @@ class _Stats:
     failing: bool = False
 
 
+class ActionBusy(Exception):
+    """A reload could not wait for the named action's run to end within its timeout."""
+
+
 class ActionEngine:
     """Builds, schedules and runs the actions; renders their metrics."""
 
@@ -159,12 +163,17 @@ class ActionEngine:
 
     # -- configuration ----------------------------------------------------------------------
 
-    def _apply(self, config: ActionsConfig) -> None:
+    def _apply(self, config: ActionsConfig, timeout: float | None = None) -> None:
         # Every action's lock at once: a run in progress ends first, and no run ever sees some
         # actions configured anew and others not (a run holds one lock only: no deadlock).
+        # Past ``timeout`` nothing is applied and ActionBusy names the action still running.
+        deadline = None if timeout is None else time.monotonic() + timeout
         with contextlib.ExitStack() as held:
-            for lock in self._locks.values():
-                held.enter_context(lock)
+            for name, lock in self._locks.items():
+                wait = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+                if not lock.acquire(timeout=wait):
+                    raise ActionBusy(name)
+                held.callback(lock.release)
             for name, settings in config.actions.items():
                 current = self._actions.get(name)
                 if current is not None and settings.enabled:
@@ -188,9 +197,13 @@ class ActionEngine:
             return RecommendAction(options, hotspots=self.hotspots, locked=self.reserved)
         return ZombieReaper(options, self.procfs, self.dev_root, lock_dir=self.lock_dir)
 
-    def reload(self, config: ActionsConfig) -> None:
-        """Apply a new configuration: changed actions start afresh, the others keep state."""
-        self._apply(config)
+    def reload(self, config: ActionsConfig, timeout: float | None = None) -> None:
+        """Apply a new configuration: changed actions start afresh, the others keep state.
+
+        Waits for runs in progress; with ``timeout``, at most that long, then raises ActionBusy
+        having applied nothing.
+        """
+        self._apply(config, timeout)
         if self._scheduler is not None:
             self._schedule()
 
