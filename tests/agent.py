@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -19,6 +20,22 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_EXPORTER_", "CUDA_"))}
     env.update(extra)
     return env
+
+
+def exporter_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 30, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
+    """``python -m exporter ARGS`` to its end, output captured, in :func:`clean_env` unless
+    ``env`` is given."""
+    return subprocess.run(
+        [sys.executable, "-m", "exporter", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean_env() if env is None else env,
+        stdin=subprocess.DEVNULL,
+        **kwargs,
+    )
 
 
 def free_port() -> int:

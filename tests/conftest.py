@@ -1,7 +1,12 @@
-"""Shared fixtures: simulated GPUs from inline scenarios, with a clock the test moves."""
+"""Shared fixtures: simulated GPUs from inline scenarios, with a clock the test moves; a
+subreaper for tests that make orphans."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import signal
 import textwrap
 from collections.abc import Callable, Iterator
 
@@ -12,6 +17,8 @@ from exporter.nvml import Nvml
 from exporter.procfs import ProcFs
 from exporter.simulate import SimulatedDriver, parse_scenario
 from exporter.yamlconf import parse_document
+
+PR_SET_CHILD_SUBREAPER = 36
 
 
 class FakeClock:
@@ -54,3 +61,18 @@ def collector(clock: FakeClock) -> Iterator[Collector]:
     made = Collector(Nvml(), ProcFs("/proc"), monotonic=clock, clock=lambda: 1.7e9 + clock.now)
     yield made
     made.close()
+
+
+@pytest.fixture
+def subreaper() -> Iterator[list[int]]:
+    """Orphans of this test become its children; every pid appended is killed and reaped."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -40,3 +41,18 @@ def one(found: dict[str, list[Any]], name: str, **labels: str) -> float:
     ]
     assert len(matches) == 1, (name, labels, found.get(name))
     return matches[0].value
+
+
+def pids_running(cmdline: bytes) -> set[int]:
+    """PIDs of the processes on this host whose ``/proc/PID/cmdline`` is exactly ``cmdline``."""
+    found = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as handle:
+                if handle.read() == cmdline:
+                    found.add(int(name))
+        except OSError:
+            continue
+    return found

@@ -7,10 +7,11 @@ the test needs nothing beyond the project's own environment.
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.helpers import pids_running
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARK = REPO / "bench" / "benchmark.py"
@@ -30,17 +31,7 @@ def _row_names() -> tuple[str, ...]:
 
 def _pool_processes() -> set[int]:
     """PIDs of processes that look like the benchmark's (``sleep 86400``)."""
-    found = set()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as handle:
-                if handle.read() == b"sleep\x0086400\x00":
-                    found.add(int(name))
-        except OSError:
-            continue
-    return found
+    return pids_running(b"sleep\x0086400\x00")
 
 
 def test_quick_run_prints_every_row_and_stops_what_it_started() -> None:

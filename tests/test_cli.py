@@ -15,6 +15,7 @@ import pytest
 
 from exporter.procfs import ProcFs
 from tests.agent import clean_env, healthz_until, http_get, serve, stderr_of
+from tests.agent import exporter_cli as run_cli
 from tests.helpers import line_of, write
 
 BUILTIN_NAMES = [
@@ -25,19 +26,6 @@ BUILTIN_NAMES = [
 ]
 #: The script name each built-in GPU's spawned processes carry in their command lines.
 BUILTIN_SCRIPTS = [["train.py"], ["finetune.py"], [], ["render.py", "notebook.py"]]
-
-
-def run_cli(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 30
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "exporter", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=clean_env() if env is None else env,
-        stdin=subprocess.DEVNULL,
-    )
 
 
 def assert_usage_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:

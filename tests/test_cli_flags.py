@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +20,7 @@ import pytest
 import exporter.cli
 import exporter.launcher.cli
 from exporter.cli import build_parser, main
-from tests.agent import clean_env
+from tests.agent import exporter_cli
 
 #: Bad values of each flag, the same in every subcommand that has it. Placeholders: {missing} a
 #: path that does not exist, {dir} a directory, {file} a file, {garbage} a file of junk bytes,
@@ -295,14 +293,7 @@ def test_the_guard_catches_an_accepted_value(capsys: pytest.CaptureFixture[str])
 def test_real_command(argv: list[str], paths: dict[str, str]) -> None:
     argv = [arg.format(**paths) for arg in argv]
     flag = next(arg for arg in reversed(argv) if arg.startswith("--") and arg != "--")
-    result = subprocess.run(
-        [sys.executable, "-m", "exporter", *argv],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=clean_env(),
-        stdin=subprocess.DEVNULL,
-    )
+    result = exporter_cli(*argv)
     assert "Traceback" not in result.stderr, result.stderr
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert result.stdout == ""

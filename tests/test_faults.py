@@ -44,7 +44,13 @@ from exporter.yamlconf import parse_document
 from tests.agent import healthz_until, http_get, serve, stderr_of
 from tests.helpers import one, samples, write
 from tests.test_procfs import FakeProc
-from tests.test_reaper import BASE, alive, orphan_worker, scenario, wait_exited
+from tests.test_reaper import (
+    BASE,
+    alive,
+    orphan_worker,
+    scenario,
+    wait_exited,
+)
 
 # -- a hung NVML call, end to end --------------------------------------------------------------
 
@@ -739,24 +745,6 @@ def test_a_user_name_that_is_not_utf8_is_escaped_not_a_failed_scrape(
 
 # -- actions: a run that raises, a reload mid-run, a full disk -----------------------------------
 
-PR_SET_CHILD_SUBREAPER = 36
-
-
-@pytest.fixture
-def orphans() -> Iterator[list[int]]:
-    """This test is a child subreaper: orphans made in it become its children, and every pid
-    appended is killed and reaped afterwards."""
-    libc = __import__("ctypes").CDLL(None, use_errno=True)
-    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    pids: list[int] = []
-    yield pids
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
-
 
 def _device(tmp_path: Path) -> str:
     """A stand-in for /dev/nvidia0 (its folder is the engine's ``paths.dev``)."""
@@ -820,10 +808,10 @@ def _pidfds() -> int:
 
 @pytest.mark.parametrize("step", ["signal", "fd-scan"])
 def test_a_reaper_run_that_raises_halfway_leaves_the_audit_log_consistent(
-    simulated, collector, clock, tmp_path, orphans, monkeypatch, step
+    simulated, collector, clock, tmp_path, subreaper, monkeypatch, step
 ):
     audit = tmp_path / "audit.jsonl"
-    pid = orphan_worker(orphans, _device(tmp_path))
+    pid = orphan_worker(subreaper, _device(tmp_path))
     engine = _engine(simulated, collector, clock, tmp_path, audit, pid)
     assert _run(engine, clock, 0)  # first seen
     pidfds = _pidfds()
@@ -966,10 +954,10 @@ def disk(tmp_path, monkeypatch) -> Iterator[Disk]:
 
 
 def test_a_full_disk_under_the_audit_log_is_reported_and_nothing_is_killed_unrecorded(
-    simulated, collector, clock, tmp_path, orphans, disk, monkeypatch, caplog
+    simulated, collector, clock, tmp_path, subreaper, disk, monkeypatch, caplog
 ):
     audit = disk.path / "audit.jsonl"
-    pid = orphan_worker(orphans, _device(tmp_path))
+    pid = orphan_worker(subreaper, _device(tmp_path))
     engine = _engine(simulated, collector, clock, tmp_path, audit, pid)
     sent = _watch_signals(monkeypatch, audit)
     assert _run(engine, clock, 0)  # first seen: nothing to record yet

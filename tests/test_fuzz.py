@@ -17,7 +17,6 @@ import datetime
 import math
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -31,7 +30,8 @@ from hypothesis import strategies as st
 from exporter.config import LOG_LEVELS, SETTINGS, Config, load_config
 from exporter.simulate import FIELD_FUNCTIONS, load_scenario
 from exporter.yamlconf import MAX_DEPTH, ConfigError
-from tests.agent import clean_env, free_port, healthz_until, http_get, serve, stderr_of
+from tests.agent import exporter_cli as _run
+from tests.agent import free_port, healthz_until, http_get, serve, stderr_of
 from tests.helpers import one, samples
 
 FUZZ = settings(
@@ -601,17 +601,6 @@ COMMAND_CASES = [
     "deep sequence",
     "NUL byte",
 ]
-
-
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "exporter", *args],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=clean_env(),
-        stdin=subprocess.DEVNULL,
-    )
 
 
 def _usage_error(result: subprocess.CompletedProcess[str], path: str) -> None:

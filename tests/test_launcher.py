@@ -19,6 +19,7 @@ from exporter.launcher.locks import LockError, held_locks, try_lock
 from exporter.launcher.visible import visible_uuids
 from exporter.snapshot import Gpu, GpuInfo
 from tests.agent import clean_env, healthz_until, http_get, serve, stderr_of
+from tests.agent import exporter_cli as cli
 from tests.helpers import samples
 
 TWO_GPUS = """
@@ -38,17 +39,6 @@ def host(tmp_path) -> tuple[Path, Path]:
     locks = tmp_path / "locks"
     locks.mkdir()
     return scenario, locks
-
-
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30):
-    return subprocess.run(
-        [sys.executable, "-m", "exporter", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env or clean_env(),
-        stdin=subprocess.DEVNULL,
-    )
 
 
 RUN = (sys.executable, "-m", "exporter", "run", "--simulate")

@@ -7,16 +7,12 @@ subreaper, so the orphaned worker becomes its child and the test reaps it.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -26,23 +22,7 @@ from exporter.actions.reaper import CLASSES, ReaperConfig, ZombieReaper, parse_r
 from exporter.procfs import ProcFs
 from exporter.yamlconf import ConfigError, parse_document
 
-PR_SET_CHILD_SUBREAPER = 36
 BASE = 1.7e9  # the collector fixture's wall clock is BASE + the fake clock
-
-
-@pytest.fixture
-def subreaper() -> Iterator[list[int]]:
-    """Orphans of this test become its children; every pid appended is killed and reaped."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    pids: list[int] = []
-    yield pids
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 @pytest.fixture

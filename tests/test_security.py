@@ -36,6 +36,7 @@ from exporter.launcher import locks as locks_module
 from exporter.launcher.locks import LockError, default_lock_dir, held_locks, try_lock
 from exporter.yamlconf import ConfigError
 from tests.agent import clean_env, free_port, http_get
+from tests.agent import exporter_cli as cli
 from tests.helpers import one, samples, write
 from tests.test_reaper import (  # noqa: F401 (fixtures)
     BASE,
@@ -46,7 +47,6 @@ from tests.test_reaper import (  # noqa: F401 (fixtures)
     orphan_worker,
     run_twice,
     scenario,
-    subreaper,
     wait_exited,
 )
 
@@ -163,18 +163,6 @@ def shared() -> Iterator[Path]:
     (root / "victim").chmod(0o600)
     yield root
     shutil.rmtree(root, ignore_errors=True)
-
-
-def cli(*args: str, timeout: float = 30, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "exporter", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=clean_env(),
-        stdin=subprocess.DEVNULL,
-        **kwargs,
-    )
 
 
 def until(check: Callable[[], Any], timeout: float = 10, what: str = "") -> Any:
@@ -552,7 +540,7 @@ def test_a_link_in_the_lock_directory_does_not_shield_a_gpus_holders_from_the_re
     clock,
     dev,  # noqa: F811 (test_reaper's fixture)
     tmp_path,
-    subreaper,  # noqa: F811
+    subreaper,
 ) -> None:
     # Anyone may plant a link in the shared lock directory; one to the GPU's device node must not
     # make every holder of that GPU look like a launcher's job (skipped as launcher_lock).
@@ -709,7 +697,7 @@ def _holds(pid: int, device: str) -> bool:
 def test_an_agent_without_cap_kill_says_so_and_audits_the_refused_signal(
     tmp_path: Path,
     dev: str,  # noqa: F811 (test_reaper's fixture)
-    subreaper: list[int],  # noqa: F811
+    subreaper: list[int],
 ) -> None:
     pid = _foreign_orphan(subreaper, f"{dev}/nvidia0", NOBODY)
     scenario_file = write(
@@ -785,7 +773,7 @@ def test_a_refused_sigkill_is_audited_logged_counted_and_not_repeated(
     clock,
     dev,  # noqa: F811 (test_reaper's fixture)
     tmp_path,
-    subreaper,  # noqa: F811
+    subreaper,
     monkeypatch,
     caplog,
 ) -> None:

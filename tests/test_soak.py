@@ -11,12 +11,13 @@ fail would be noticed.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import pids_running
 
 REPO = Path(__file__).resolve().parent.parent
 SOAK = REPO / "bench" / "soak.py"
@@ -24,17 +25,7 @@ SOAK = REPO / "bench" / "soak.py"
 
 def _soak_processes() -> set[int]:
     """PIDs of processes that look like the soak's real processes (``sleep 604800``)."""
-    found = set()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as handle:
-                if handle.read() == b"sleep\x00604800\x00":
-                    found.add(int(name))
-        except OSError:
-            continue
-    return found
+    return pids_running(b"sleep\x00604800\x00")
 
 
 @pytest.fixture(scope="module")
