@@ -10,7 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +55,11 @@ def http_get(url: str) -> tuple[int, str]:
 
 
 @contextlib.contextmanager
-def serve(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], int]]:
-    """A running ``gpu-exporter serve ARGS`` on a free loopback port; killed and reaped after."""
+def serve(
+    tmp_path: Path, *args: str, preexec_fn: Callable[[], None] | None = None
+) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """A running ``gpu-exporter serve ARGS`` on a free loopback port (``preexec_fn`` runs in the
+    child before it starts, to drop privileges); stopped and reaped after."""
     port = free_port()
     err = (tmp_path / f"serve-{port}-{time.monotonic_ns()}.err").open("w")
     proc = subprocess.Popen(
@@ -66,6 +69,7 @@ def serve(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], i
         stderr=err,
         text=True,
         env=clean_env(TMPDIR=str(tmp_path)),  # its simulated device folder goes with the test's
+        preexec_fn=preexec_fn,
     )
     proc.stderr_path = err.name  # type: ignore[attr-defined]
     try:

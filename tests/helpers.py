@@ -1,8 +1,11 @@
-"""Small helpers shared by the tests: files with known lines, and parsed expositions."""
+"""Small helpers shared by the tests: files with known lines, parsed expositions, processes by
+command line, and bench scripts as modules."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -56,3 +59,16 @@ def pids_running(cmdline: bytes) -> set[int]:
         except OSError:
             continue
     return found
+
+
+def load_script(path: Path) -> Any:
+    """The module of a script that is not in a package (``bench/*.py``), loaded from ``path``."""
+    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module

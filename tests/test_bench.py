@@ -6,27 +6,18 @@ the test needs nothing beyond the project's own environment.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import pids_running
+from tests.helpers import load_script, pids_running
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARK = REPO / "bench" / "benchmark.py"
 
 
 def _row_names() -> tuple[str, ...]:
-    spec = importlib.util.spec_from_file_location("bench_benchmark", BENCHMARK)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module.ROW_NAMES
+    return load_script(BENCHMARK).ROW_NAMES
 
 
 def _pool_processes() -> set[int]:

@@ -19,7 +19,6 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 import tempfile
 import time
 import traceback
@@ -35,8 +34,8 @@ from exporter.config import load_config
 from exporter.launcher import locks as locks_module
 from exporter.launcher.locks import LockError, default_lock_dir, held_locks, try_lock
 from exporter.yamlconf import ConfigError
-from tests.agent import clean_env, free_port, http_get
 from tests.agent import exporter_cli as cli
+from tests.agent import healthz_until, http_get, serve
 from tests.helpers import one, samples, write
 from tests.test_reaper import (  # noqa: F401 (fixtures)
     BASE,
@@ -192,39 +191,11 @@ def _drop_bounding(*caps: int) -> Callable[[], None]:
 def agent(
     tmp_path: Path, *args: str, preexec: Callable[[], None] | None = None
 ) -> Iterator[tuple[subprocess.Popen[str], int, Path]]:
-    """``gpu-exporter serve ARGS`` on a free loopback port (optionally with a preexec_fn);
-    yields the process, its port and its stderr file. Killed and reaped after."""
-    port = free_port()
-    err_path = tmp_path / f"agent-{port}.err"
-    with err_path.open("w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "exporter", "serve", "--listen", f"127.0.0.1:{port}", *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-            text=True,
-            env=clean_env(),
-            preexec_fn=preexec,
-        )
-        try:
-            until(lambda: _answers(proc, port, err_path), what="the agent to answer /healthz")
-            yield proc, port, err_path
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-            proc.wait()
-
-
-def _answers(proc: subprocess.Popen[str], port: int, err_path: Path) -> bool:
-    assert proc.poll() is None, f"the agent exited {proc.returncode}: {err_path.read_text()}"
-    try:
-        return http_get(f"http://127.0.0.1:{port}/healthz")[0] == 200
-    except OSError:
-        return False
+    """``gpu-exporter serve ARGS`` on a free loopback port (optionally with a preexec_fn), once
+    /healthz says ok; yields the process, its port and its stderr file."""
+    with serve(tmp_path, *args, preexec_fn=preexec) as (proc, port):
+        healthz_until(proc, port)
+        yield proc, port, Path(proc.stderr_path)  # type: ignore[attr-defined]
 
 
 def get(port: int, path: str) -> str:

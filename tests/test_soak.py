@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import pids_running
+from tests.helpers import load_script, pids_running
 
 REPO = Path(__file__).resolve().parent.parent
 SOAK = REPO / "bench" / "soak.py"
@@ -113,17 +113,7 @@ def test_bad_options_exit_2_with_a_message(args, needle):
 
 
 def _soak_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_soak", SOAK)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
+    return load_script(SOAK)
 
 
 class _Answers:
