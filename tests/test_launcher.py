@@ -62,7 +62,7 @@ def start_run(scenario: Path, locks: Path, *args: str, job: tuple[str, ...]) -> 
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=clean_env(),
+        env=clean_env(TMPDIR=str(locks.parent)),  # tests kill it: its temp folder goes with theirs
     )
 
 
