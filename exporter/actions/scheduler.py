@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -19,11 +18,11 @@ from typing import Any
 
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
-from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from exporter.actions.base import Action
+from exporter.actions.cron import cron_trigger
 from exporter.actions.reaper import ReaperConfig, ZombieReaper, parse_reaper
 from exporter.actions.recommend import (
     Policy,
@@ -80,20 +79,6 @@ class ActionsConfig:
             for name, options in _default_options().items()
         }
     )
-
-
-_WEEKDAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat", "sun")
-
-
-def cron_trigger(expression: str) -> CronTrigger:
-    """A trigger for a standard five-field crontab line. Day-of-week numbers mean what they mean
-    to cron (0 and 7 are Sunday); APScheduler alone would read 0 as Monday."""
-    fields = expression.split()
-    if len(fields) == 5:
-        fields[4] = re.sub(
-            r"(?<![/\d])([0-7])(?!\d)", lambda m: _WEEKDAYS[int(m.group(1))], fields[4]
-        )
-    return CronTrigger.from_crontab(" ".join(fields))
 
 
 def _cron(raw: Any) -> str:
