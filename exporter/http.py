@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 from exporter import __version__
-from exporter.launcher.visible import visible_uuids
+from exporter.launcher.visible import check_well_formed, visible_uuids
 from exporter.metrics import CONTENT_TYPE, render_liveness
 from exporter.sampler import Sampler
 from exporter.server import HttpServer, tls_context
@@ -162,7 +162,7 @@ class App:
                 render_liveness(health.age_seconds, health.stale),
             )
         )
-        if "gzip" in environ.get("HTTP_ACCEPT_ENCODING", ""):
+        if gzip_preferred(environ.get("HTTP_ACCEPT_ENCODING")):
             return Response(
                 "200 OK",
                 CONTENT_TYPE,
@@ -191,6 +191,10 @@ class App:
         visible_env = single.pop("visible", None)
         visible = None
         if visible_env is not None:  # the client's CUDA_VISIBLE_DEVICES
+            try:
+                check_well_formed(visible_env)
+            except ValueError as exc:
+                raise BadRequest("400 Bad Request", f"visible: {exc}") from None
             visible, _ = visible_uuids(visible_env, self.sampler.latest.snapshot.gpus)
         known = self.engine.policies()
         if policy not in known:
@@ -221,6 +225,55 @@ class App:
         data["health"] = {"ok": health.ok, "reason": health.reason, "stale": health.stale}
         body = json.dumps(data, indent=1, sort_keys=False).encode()
         return Response("200 OK", "application/json", body)
+
+
+#: A weight (RFC 9110 12.4.2): 0 to 1, at most three decimals, ASCII digits only.
+_QVALUE = re.compile(r"0(\.[0-9]{0,3})?|1(\.0{0,3})?")
+_CODING = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+#: x-gzip is gzip (RFC 9110 8.4.1.3).
+_ALIASES = {"x-gzip": "gzip"}
+
+
+def gzip_preferred(accept_encoding: str | None) -> bool:
+    """Whether a client sending ``Accept-Encoding: accept_encoding`` gets gzip (RFC 9110 12.5.3).
+
+    Only when gzip (or ``*``, gzip unnamed) has a weight above 0 and at least identity's. An
+    identity that is neither named nor covered by ``*`` stays acceptable but loses to any coding
+    named (``gzip;q=0.5`` alone gets gzip). No header, or an empty one: identity.
+    """
+    if not accept_encoding:
+        return False
+    weights = accept_encoding_weights(accept_encoding)
+    star = weights.get("*")
+    gzip_q = weights.get("gzip", star if star is not None else 0.0)
+    identity_q = weights.get("identity", star if star is not None else 0.0)
+    return gzip_q > 0 and gzip_q >= identity_q
+
+
+def accept_encoding_weights(accept_encoding: str) -> dict[str, float]:
+    """Each coding named in an Accept-Encoding value (lower case, aliases resolved) with its
+    weight. A malformed weight or parameter makes 0 (not acceptable); a coding named twice gets
+    the lower weight; malformed names and empty list elements are skipped."""
+    weights: dict[str, float] = {}
+    for element in accept_encoding.split(","):
+        coding, *params = (part.strip(" \t") for part in element.split(";"))
+        if not _CODING.fullmatch(coding):
+            continue
+        name = _ALIASES.get(coding.lower(), coding.lower())
+        weight = _weight(params)
+        weights[name] = min(weight, weights.get(name, weight))
+    return weights
+
+
+def _weight(params: list[str]) -> float:
+    """The q of a coding's parameters: 1 when there are none, 0 when they are not one q."""
+    if not params:
+        return 1.0
+    name, equals, value = params[0].partition("=")
+    if len(params) > 1 or not equals or name.strip(" \t").lower() != "q":
+        return 0.0
+    value = value.strip(" \t")
+    return float(value) if _QVALUE.fullmatch(value) else 0.0
 
 
 RECOMMEND_PARAMS = frozenset(

@@ -15,8 +15,9 @@ Limits (module constants, read when a server is made):
 - ``MAX_CONNECTIONS``: connections being handled at once; beyond it a new connection is closed at
   once, without a response (answering would cost a thread, and with TLS a handshake).
 - ``MAX_REQUEST_LINE`` (``414``), ``MAX_HEADER_LINE``, ``MAX_HEADERS`` and ``MAX_HEAD``
-  (``431``); a malformed request line or header, or an HTTP/0.9 request, gets ``400``; a version
-  other than HTTP/1.0 and 1.1 gets ``505``.
+  (``431``), exact however the bytes arrive (line ends count in the head, not in a line); a
+  malformed request line or header, or an HTTP/0.9 request, gets ``400``; a version other than
+  HTTP/1.0 and 1.1 gets ``505``.
 - One request per connection: every response says ``Connection: close``. After it the server
   half-closes (with TLS: sends close_notify) and discards what the client still sends for up to
   ``LINGER`` seconds, so an unread request body cannot turn the close into a reset that cuts the
@@ -183,22 +184,23 @@ def read_head(sock: socket.socket, deadline: float) -> Request:
             if request is None:
                 if line:  # empty lines before the request line are ignored (RFC 9112 2.2)
                     _check_length(len(line), True)
+                    _check_head(consumed + start)
                     request = parse_request_line(line)
             elif not line:
+                _check_head(consumed + start)
                 return request
             else:
                 _check_length(len(line), False)
+                _check_head(consumed + start)
                 request.headers.append(parse_header(line))
                 if len(request.headers) > MAX_HEADERS:
                     raise HttpError(
                         "431 Request Header Fields Too Large", f"more than {MAX_HEADERS} headers"
                     )
             newline = buf.find(b"\n", start)
-        _check_length(len(buf) - start, request is None)  # the line being read so far
-        if consumed + len(buf) > MAX_HEAD:
-            raise HttpError(
-                "431 Request Header Fields Too Large", f"request head over {MAX_HEAD} bytes"
-            )
+        partial = len(buf) - start - int(buf.endswith(b"\r"))  # that CR may be half a CRLF
+        _check_length(partial, request is None)  # the line being read so far
+        _check_head(consumed + len(buf) + 1)  # the head still needs at least its final LF
         del buf[:start]
         consumed += start
         start = 0
@@ -207,6 +209,14 @@ def read_head(sock: socket.socket, deadline: float) -> Request:
         if not chunk:
             raise ConnectionError("client closed the connection before a complete request head")
         buf += chunk
+
+
+def _check_head(length: int) -> None:
+    """431 when a head of at least ``length`` bytes (line ends included) is over MAX_HEAD."""
+    if length > MAX_HEAD:
+        raise HttpError(
+            "431 Request Header Fields Too Large", f"request head over {MAX_HEAD} bytes"
+        )
 
 
 def _check_length(length: int, is_request_line: bool) -> None:

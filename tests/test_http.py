@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.collect import Collector
-from exporter.http import App, serve
+from exporter.http import App, accept_encoding_weights, gzip_preferred, serve
 from exporter.nvml import Nvml
 from exporter.procfs import ProcFs
 from exporter.sampler import Sampler
@@ -99,6 +99,86 @@ def test_gzip(agent):
 
 
 @pytest.mark.parametrize(
+    ("accept_encoding", "gzipped"),
+    [
+        (None, False),
+        ("", False),
+        ("gzip", True),
+        ("GZIP", True),
+        ("x-gzip", True),
+        ("X-Gzip;q=0.5", True),
+        ("deflate, gzip, br, zstd", True),  # curl --compressed
+        ("gzip, deflate, br", True),  # browsers
+        ("gzip;q=0, identity", False),
+        ("gzip;q=0", False),
+        ("gzip; q=0.000", False),
+        ("x-gzip;q=0", False),
+        ("gzip;q=0.001", True),
+        ("gzip ; Q=1.000", True),
+        ("gzip;q = 0.5", True),
+        ("\tgzip\t;\tq=1\t", True),
+        ("gzip;q=0.5", True),  # identity, unnamed, loses to any coding named
+        ("gzip;q=0.5, identity", False),
+        ("gzip;q=0.5, identity;q=0.5", True),
+        ("gzip;q=0.4, identity;q=0.5", False),
+        ("identity;q=0, gzip;q=0.1", True),
+        ("identity", False),
+        ("x-gzipish", False),
+        ("gzipfoo", False),
+        ("gzip2, xgzip, agzip", False),
+        ("*", True),
+        ("*;q=0", False),
+        ("*;q=0.5, identity", False),
+        ("*, gzip;q=0", False),
+        ("*;q=0, gzip", True),
+        ("*;q=0.5, identity;q=0.1", True),
+        ("deflate", False),
+        ("gzip, gzip;q=0", False),  # named twice: the lower weight counts
+        (",, gzip ,", True),
+        # A malformed weight or parameter: that entry is not acceptable.
+        ("gzip;q=2", False),
+        ("gzip;q=1.001", False),
+        ("gzip;q=0.0001", False),
+        ("gzip;q=-1", False),
+        ("gzip;q=.5", False),
+        ("gzip;q=", False),
+        ("gzip;q", False),
+        ("gzip;", False),
+        ("gzip;q=0.5;q=1", False),
+        ("gzip;level=9", False),
+        ("gzip;q=0.\u0665", False),  # an Arabic-Indic 5: ASCII digits only
+        ("gzip;q=\uff11", False),
+        ("gzip;q=1_0", False),
+        ("gzip;q=nan", False),
+        ("gzip;q=bad, identity", False),
+        ("gzip q=1", False),
+        ("g\u00e9zip, gzip", True),
+    ],
+)
+def test_gzip_negotiation(accept_encoding, gzipped):
+    assert gzip_preferred(accept_encoding) is gzipped
+
+
+def test_accept_encoding_weights():
+    assert accept_encoding_weights("GZip;q=0.5, x-gzip;q=0.7, *, identity;q=bad, x-gzipish") == {
+        "gzip": 0.5,
+        "*": 1.0,
+        "identity": 0.0,
+        "x-gzipish": 1.0,
+    }
+
+
+@pytest.mark.parametrize(
+    ("accept_encoding", "gzipped"),
+    [("gzip;q=0, identity", False), ("x-gzipish", False), ("x-gzip", True), ("*", True)],
+)
+def test_gzip_only_when_preferred(agent, accept_encoding, gzipped):
+    status, headers, body = agent.get("/metrics", headers={"Accept-Encoding": accept_encoding})
+    assert status == 200 and ("Content-Encoding" in headers) is gzipped
+    assert b"gpu_up" in (gzip.decompress(body) if gzipped else body)
+
+
+@pytest.mark.parametrize(
     ("path", "method", "status", "needle"),
     [
         ("/nope", "GET", 404, b"no such path"),
@@ -118,6 +198,48 @@ def test_bad_requests_get_clear_errors(agent, path, method, status, needle):
     assert got == status and needle in body, body
     if status == 405:
         assert headers["Allow"] == "GET, HEAD"
+
+
+@pytest.fixture
+def recommending(simulated, collector) -> Iterator[Agent]:
+    """An agent with the action engine, over a sampled simulated host."""
+    from exporter.actions.scheduler import ActionEngine, ActionsConfig
+
+    simulated(SCENARIO)
+    sampler = Sampler(collector, interval=60, deadline=60)
+    sampler.sample_once()
+    engine = ActionEngine(sampler, ActionsConfig(), ProcFs(), "/nonexistent")
+    server = serve(App(sampler, engine), "127.0.0.1", 0)
+    try:
+        yield Agent(sampler, server.port)
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "value", ["%C2%B2", "%D9%A0", "%EF%BC%91", "0x1", "0,%C2%B2", "foo", "1" * 4000 + "x"]
+)
+def test_recommend_refuses_a_malformed_visible(recommending, value):
+    status, _, body = recommending.get(f"/recommend?visible={value}")
+    assert status == 400 and body.startswith(b"visible: "), body
+    assert b"is no GPU index (ASCII digits), GPU UUID or MIG device" in body
+
+
+@pytest.mark.parametrize(
+    ("value", "chosen", "status"),
+    [
+        ("1", [1], 200),
+        ("%201%20", [1], 200),
+        ("0,-1,1", [0], 200),
+        ("-1", [], 409),
+        ("", [], 409),
+        ("7", [], 409),
+        ("1" * 4000, [], 409),
+    ],
+)
+def test_recommend_reads_visible_as_cuda_does(recommending, value, chosen, status):
+    got, _, body = recommending.get(f"/recommend?visible={value}")
+    assert got == status and [c["index"] for c in json.loads(body)["chosen"]] == chosen, body
 
 
 def test_head(agent):

@@ -186,6 +186,132 @@ def test_huge_headers_get_431(server, extra, needle):
     assert status_of(answer) == 431 and needle in answer
 
 
+# -- the head limits, exactly ---------------------------------------------------------------
+
+MAX_HEAD = exporter.server.MAX_HEAD
+MAX_LINE = exporter.server.MAX_REQUEST_LINE
+
+
+def head_of(size: int, target: str = "/metrics") -> bytes:
+    """A valid request head of exactly ``size`` bytes (line ends included), padded with headers
+    of at most 8000 bytes."""
+    start = f"GET {target} HTTP/1.1\r\nHost: x\r\n".encode()
+    pad = size - len(start) - 2
+    count = -(-pad // 8000)
+    lines = []
+    for i in range(count):
+        length = pad // count + (i < pad % count)  # each line's bytes, "X-Pad-NN: " and CRLF too
+        lines.append(b"X-Pad-%02d: " % i + b"a" * (length - 12) + b"\r\n")
+    head = start + b"".join(lines) + b"\r\n"
+    assert len(head) == size
+    return head
+
+
+def pieces(data: bytes, delivery: str) -> list[bytes]:
+    """``data`` cut as a client might send it: whole, in small pieces, or cut just before the
+    head limit (so that one read holds bytes both sides of it)."""
+    if delivery == "whole":
+        return [data]
+    if delivery == "small":
+        return [data[i : i + 997] for i in range(0, len(data), 997)]
+    assert delivery == "straddling"
+    return [data[: MAX_HEAD - 3], data[MAX_HEAD - 3 :]]
+
+
+DELIVERIES = ["whole", "small", "straddling"]
+
+
+@pytest.mark.parametrize("delivery", DELIVERIES)
+@pytest.mark.parametrize(
+    ("size", "status"), [(MAX_HEAD - 1, 200), (MAX_HEAD, 200), (MAX_HEAD + 1, 431)]
+)
+def test_the_head_limit_is_exact(server, size, status, delivery):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for piece in pieces(head_of(size), delivery):
+            sock.sendall(piece)
+        answer = read_to_eof(sock)
+    assert status_of(answer) == status, answer[:300]
+    assert (b"gpu_up{" if status == 200 else b"request head over 65536 bytes") in answer
+
+
+class ScriptedSocket:
+    """A socket whose reads return the given pieces, each cut to what a read asks for."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = [c for c in chunks if c]
+
+    def settimeout(self, timeout: float) -> None:
+        pass
+
+    def recv(self, size: int) -> bytes:
+        if not self.chunks:
+            return b""
+        chunk = self.chunks.pop(0)
+        if len(chunk) > size:
+            self.chunks.insert(0, chunk[size:])
+        return chunk[:size]
+
+
+def read_scripted(chunks: list[bytes]) -> exporter.server.Request:
+    sock = ScriptedSocket(chunks)
+    return exporter.server.read_head(sock, time.monotonic() + 60)  # type: ignore[arg-type]
+
+
+def by_bytes(data: bytes) -> list[bytes]:
+    return [data[i : i + 1] for i in range(len(data))]
+
+
+@pytest.mark.parametrize("delivery", [*DELIVERIES, "bytes"])
+def test_read_head_limit_is_exact_however_the_bytes_arrive(delivery):
+    cut = by_bytes if delivery == "bytes" else lambda data: pieces(data, delivery)
+    for size in (MAX_HEAD - 1, MAX_HEAD):
+        body = b"x" * 20_000  # what follows the head is no part of it
+        assert read_scripted(cut(head_of(size) + body)).target == "/metrics"
+    with pytest.raises(exporter.server.HttpError, match="request head over 65536") as refused:
+        read_scripted(cut(head_of(MAX_HEAD + 1)))
+    assert refused.value.status.startswith("431 ")
+
+
+def test_an_over_long_head_is_refused_before_its_end():
+    """The head is refused once it is known to be too long, not when it ends (or never)."""
+    head = head_of(MAX_HEAD + 1)
+    sock = ScriptedSocket([head[:MAX_HEAD], head[MAX_HEAD:]])  # the last: the final LF
+    with pytest.raises(exporter.server.HttpError, match="request head over"):
+        exporter.server.read_head(sock, time.monotonic() + 60)  # type: ignore[arg-type]
+    assert sock.chunks == [b"\n"]
+
+
+def request_line_of(length: int) -> bytes:
+    target = b"/" + b"a" * (length - len(b"GET / HTTP/1.1"))
+    line = b"GET " + target + b" HTTP/1.1"
+    assert len(line) == length
+    return line
+
+
+@pytest.mark.parametrize("delivery", ["whole", "bytes", "split CRLF"])
+def test_request_and_header_line_limits_are_exact(delivery):
+    def cut(data: bytes) -> list[bytes]:
+        if delivery == "bytes":
+            return by_bytes(data)
+        if delivery == "split CRLF":  # the CR of the first line end in one read, its LF in the next
+            first = data.index(b"\r\n") + 1
+            return [data[:first], data[first:]]
+        return [data]
+
+    at_limit = request_line_of(MAX_LINE) + b"\r\n\r\n"
+    assert len(read_scripted(cut(at_limit)).target) == MAX_LINE - len("GET  HTTP/1.1")
+    with pytest.raises(exporter.server.HttpError, match="request line over") as refused:
+        read_scripted(cut(request_line_of(MAX_LINE + 1) + b"\r\n\r\n"))
+    assert refused.value.status.startswith("414 ")
+    header = b"X: " + b"a" * (exporter.server.MAX_HEADER_LINE - 3)
+    at_limit = header + b"\r\n\r\n"
+    assert read_scripted([b"GET / HTTP/1.1\r\n", *cut(at_limit)]).headers[0][0] == "X"
+    with pytest.raises(exporter.server.HttpError, match="header line over") as refused:
+        read_scripted([b"GET / HTTP/1.1\r\n", *cut(b"a" + at_limit)])
+    assert refused.value.status.startswith("431 ")
+
+
 @pytest.mark.parametrize(
     ("raw", "status", "needle"),
     [

@@ -1,17 +1,24 @@
 """What ``CUDA_VISIBLE_DEVICES`` makes visible, as the UUIDs of NVML's GPUs.
 
 CUDA reads the list left to right and stops at the first entry it cannot use, so we do too.
-Entries are indices (CUDA's order, which is NVML's only under ``CUDA_DEVICE_ORDER=PCI_BUS_ID``),
-GPU UUIDs or unique prefixes of them (``GPU-8a3f``), and MIG devices (``MIG-<uuid>``, or the
-older ``MIG-GPU-<uuid>/<gi>/<ci>``), which make their parent GPU visible. An empty value hides
-every GPU; an unset one hides none.
+Entries are indices (ASCII digits only, in CUDA's order, which is NVML's only under
+``CUDA_DEVICE_ORDER=PCI_BUS_ID``), GPU UUIDs or unique prefixes of them (``GPU-8a3f``), and MIG
+devices (``MIG-<uuid>``, or the older ``MIG-GPU-<uuid>/<gi>/<ci>``), which make their parent GPU
+visible. An empty value hides every GPU; an unset one hides none.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from exporter.snapshot import Gpu
+
+#: Stripped from each entry: ASCII whitespace only (str.strip() would also drop U+00A0 and kin).
+_SPACE = " \t\n\r\f\v"
+#: An entry in some form CUDA knows, whether or not it names a GPU here: empty, an index (a
+#: negative one is the usual way to hide what follows), or a GPU or MIG UUID or prefix.
+_WELL_FORMED = re.compile(r"(-?[0-9]+|(GPU|MIG)-[!-~]*)?")  # [!-~]: printable ASCII
 
 
 def visible_uuids(
@@ -21,11 +28,11 @@ def visible_uuids(
     CUDA (a MIG entry names the MIG device, not its parent), and a note for the user."""
     if value is None:
         return None, ""
-    by_index = {gpu.index: gpu for gpu in gpus}
+    by_index = {str(gpu.index): gpu for gpu in gpus}
     visible: dict[str, str] = {}
     notes = []
-    entries = [part.strip() for part in value.split(",")]
-    if order != "PCI_BUS_ID" and any(entry.isdigit() for entry in entries):
+    entries = _entries(value)
+    if order != "PCI_BUS_ID" and any(_is_index(entry) for entry in entries):
         notes.append(
             "CUDA_VISIBLE_DEVICES holds indices but CUDA_DEVICE_ORDER is not PCI_BUS_ID; "
             "they are read in PCI bus order, as NVML numbers GPUs"
@@ -34,17 +41,42 @@ def visible_uuids(
         uuid = _resolve(entry, gpus, by_index)
         if uuid is None:
             if entry:
-                notes.append(
-                    f"CUDA_VISIBLE_DEVICES: {entry!r} names no GPU here; it hides the rest"
-                )
+                notes.append(f"CUDA_VISIBLE_DEVICES: {_why_not(entry)}; it hides the rest")
             break
         visible.setdefault(uuid, entry if entry.startswith("MIG-") else uuid)
     return visible, "; ".join(notes)
 
 
-def _resolve(entry: str, gpus: Sequence[Gpu], by_index: dict[int, Gpu]) -> str | None:
-    if entry.isdigit():
-        gpu = by_index.get(int(entry))
+def check_well_formed(value: str) -> None:
+    """Raise ValueError naming the first entry of ``value`` in no form CUDA knows (``²``, ``0x1``).
+
+    CUDA would stop there as at an index past the last GPU; a caller that wants such typos refused
+    rather than read as "hide the rest" checks this first.
+    """
+    for entry in _entries(value):
+        if not _WELL_FORMED.fullmatch(entry):
+            raise ValueError(_why_not(entry))
+
+
+def _entries(value: str) -> list[str]:
+    return [part.strip(_SPACE) for part in value.split(",")]
+
+
+def _is_index(entry: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes ``²`` (int() refuses it) and Arabic ones."""
+    return entry.isascii() and entry.isdigit()
+
+
+def _why_not(entry: str) -> str:
+    shown = repr(entry if len(entry) <= 60 else entry[:60] + "...")
+    if _WELL_FORMED.fullmatch(entry):
+        return f"{shown} names no GPU here"
+    return f"{shown} is no GPU index (ASCII digits), GPU UUID or MIG device"
+
+
+def _resolve(entry: str, gpus: Sequence[Gpu], by_index: dict[str, Gpu]) -> str | None:
+    if _is_index(entry):
+        gpu = by_index.get(entry.lstrip("0") or "0")  # no int(): it refuses 5000 digits
         return gpu.uuid if gpu is not None and gpu.uuid else None
     if entry.startswith("MIG-GPU-"):  # MIG-GPU-<parent uuid>/<gi>/<ci>
         return _unique(entry[len("MIG-") :].split("/")[0], [g.uuid for g in gpus])
