@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from exporter.activity import IdleTimes
 from exporter.launcher.locks import LockError, held_locks, provision
 from exporter.nvml import GpuFailed, Nvml, NvmlProcess, NvmlUnavailable
 from exporter.procfs import ProcessInfo, ProcFs
@@ -52,6 +53,7 @@ class Collector:
         self._last_known: dict[int, GpuInfo] = {}  # identity for labels while a GPU is down
         self._count: int | None = None
         self._seq = 0
+        self._idle = IdleTimes()
         #: index (-1: the host) -> (when, delay): static facts that a transient error left
         #: incomplete are read again then, the delay doubling while they stay incomplete.
         self._reread: dict[int, tuple[float, float]] = {}
@@ -76,6 +78,7 @@ class Collector:
         if self.lock_dir and gpus:
             holders = held_locks(self.lock_dir, self.procfs.root)
             gpus = tuple(replace(g, reserved_by=holders.get(g.uuid)) for g in gpus)
+        self._idle.end_sample()
         self._seq += 1
         return Snapshot(
             seq=self._seq,
@@ -219,10 +222,15 @@ class Collector:
         errors.extend(reading.errors)
         if reading.processes is None:
             return reading.gpu
-        return replace(reading.gpu, processes=self._enrich(reading.processes, seen))
+        processes = self._enrich(info.uuid, reading.processes, seen, now)
+        return replace(reading.gpu, processes=processes)
 
     def _enrich(
-        self, listed: list[NvmlProcess], seen: dict[int, ProcessInfo | None]
+        self,
+        uuid: str,
+        listed: list[NvmlProcess],
+        seen: dict[int, ProcessInfo | None],
+        now: float,
     ) -> tuple[GpuProcess, ...]:
         merged: dict[tuple[int, str], int | None] = {}
         for proc in listed:  # one entry per (pid, type): MIG lists a pid once per instance
@@ -231,21 +239,39 @@ class Collector:
                 merged[key] = merged[key] + proc.used_memory_bytes  # type: ignore[operator]
             elif key not in merged:
                 merged[key] = proc.used_memory_bytes
+        utilization = {proc.pid: proc.sm_utilization_ratio for proc in listed}  # one per pid
         out = []
         for (pid, kind), used in merged.items():
             if pid not in seen:
                 seen[pid] = self.procfs.process(pid)
-            out.append(to_gpu_process(pid, kind, used, seen[pid], self.expose_cmdline))
+            process = to_gpu_process(
+                pid, kind, used, seen[pid], self.expose_cmdline, utilization.get(pid)
+            )
+            known = seen[pid]
+            start = known.start_ticks if known is not None else 0
+            idle = self._idle.observe((uuid, pid, start), process.sm_utilization_ratio, now)
+            out.append(replace(process, gpu_idle_seconds=idle))
         return tuple(out)
 
 
 def to_gpu_process(
-    pid: int, kind: str, used: int | None, info: ProcessInfo | None, cmdline: bool = False
+    pid: int,
+    kind: str,
+    used: int | None,
+    info: ProcessInfo | None,
+    cmdline: bool = False,
+    sm_utilization: float | None = None,
 ) -> GpuProcess:
-    """A Snapshot process from NVML's view and procfs' (None: not visible under the root);
-    its command line only when ``cmdline``."""
+    """A Snapshot process from NVML's view (memory, SM utilization) and procfs' (None: not
+    visible under the root); its command line only when ``cmdline``."""
     if info is None:
-        return GpuProcess(pid=pid, type=kind, used_memory_bytes=used, visible=False)
+        return GpuProcess(
+            pid=pid,
+            type=kind,
+            used_memory_bytes=used,
+            visible=False,
+            sm_utilization_ratio=sm_utilization,
+        )
     return GpuProcess(
         pid=pid,
         type=kind,
@@ -262,4 +288,5 @@ def to_gpu_process(
         start_time=info.start_time,
         container_id=info.container_id,
         pod_uid=info.pod_uid,
+        sm_utilization_ratio=sm_utilization,
     )

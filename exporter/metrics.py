@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 
 from exporter import __version__
-from exporter.snapshot import Gpu, Snapshot
+from exporter.snapshot import Gpu, GpuProcess, Snapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 GPU_LABELS = ["gpu", "uuid"]
@@ -249,22 +249,38 @@ def gpu_families(snapshot: Snapshot) -> list[Metric]:
             _gauge("gpu_reserved", "1 while a launcher lock holds the GPU for a job, else 0."),
             lambda g: 1.0 if g.reserved_by is not None else 0.0,
         ),
-        _process_memory(live),
+        _per_process(
+            live,
+            _gauge(
+                "gpu_process_memory_used_bytes",
+                "GPU memory used by one process on one GPU.",
+                PROCESS_LABELS,
+            ),
+            lambda p: p.used_memory_bytes,
+        ),
+        _per_process(
+            live,
+            _gauge(
+                "gpu_process_sm_utilization_ratio",
+                "Highest SM utilization of one process on one GPU since the previous sample (0-1).",
+                PROCESS_LABELS,
+            ),
+            lambda p: p.sm_utilization_ratio,
+        ),
     ]
 
 
-def _process_memory(gpus: list[Gpu]) -> GaugeMetricFamily:
-    family = _gauge(
-        "gpu_process_memory_used_bytes",
-        "GPU memory used by one process on one GPU.",
-        PROCESS_LABELS,
-    )
+def _per_process(
+    gpus: list[Gpu], family: Metric, value: Callable[[GpuProcess], float | None]
+) -> Metric:
+    """One series per process (and type) on each GPU; a process whose value is None has none."""
     for gpu in gpus:
         for proc in gpu.processes or ():
-            if proc.used_memory_bytes is not None:
+            number = value(proc)
+            if number is not None:
                 family.add_metric(
                     [str(gpu.index), gpu.uuid, str(proc.pid), proc.user, proc.name, proc.type],
-                    proc.used_memory_bytes,
+                    number,
                 )
     return family
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -43,6 +44,13 @@ _CLOCKS = (("graphics", 0), ("sm", 1), ("memory", 2), ("video", 3))
 _PSTATE_UNKNOWN = 32
 _NVML_FI_DEV_MEMORY_TEMP = 82
 _VALUE_FIELDS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+#: What an NVML ``NotFound`` answer is, for calls that do not give it a meaning of their own.
+_NOT_FOUND_IS_ERROR: Any = object()
+#: Per-process utilization is read last in a GPU's sample, after every other call on the GPU has
+#: answered: an ``Unknown`` from it is this call's trouble, not the GPU's.
+_PROCESS_UTILIZATION_FATAL = _GPU_FATAL - {"Unknown"}
+#: How far ahead of the host's clock a remembered sample timestamp may be before it is distrusted.
+_CLOCK_SLACK_SECONDS = 1.0
 
 
 def error_name(exc: BaseException) -> str:
@@ -86,6 +94,10 @@ class Call(NamedTuple):
     kwargs: dict[str, Any] | None = None
     convert: Callable[[Any], Any] | None = None
     key: str = ""  # what "the driver lacks this" is remembered under; defaults to function
+    #: The answer an NVML ``NotFound`` stands for (for example "no samples"); by default an error.
+    not_found: Any = _NOT_FOUND_IS_ERROR
+    #: The errors of this call that fail the whole GPU.
+    gpu_fatal: frozenset[str] = _GPU_FATAL
 
 
 class NvmlProcess(NamedTuple):
@@ -94,6 +106,8 @@ class NvmlProcess(NamedTuple):
     pid: int
     used_memory_bytes: int | None
     type: str
+    #: Highest SM utilization (0-1) since the GPU's previous sample; None when unknown.
+    sm_utilization_ratio: float | None = None
 
 
 @dataclass
@@ -130,7 +144,9 @@ def _const(name: str, fallback: int) -> int:
 class Nvml:
     """Serialised, counted access to NVML with memory of what the driver and GPUs lack."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, wall: Callable[[], float] = time.time) -> None:
+        #: The host's clock (seconds since the epoch), which NVML's sample timestamps also use.
+        self._wall = wall
         self._lock = threading.Lock()
         self.calls = 0
         self.initialized = False
@@ -144,6 +160,8 @@ class Nvml:
         self._supported: set[tuple[int, str]] = set()
         #: GPU indices (-1: the host) whose static facts a transient error left incomplete.
         self.incomplete: set[int] = set()
+        #: GPU UUID -> the newest per-process utilization sample seen (NVML timestamp, µs).
+        self._utilization_seen: dict[str, int] = {}
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -165,7 +183,7 @@ class Nvml:
             if key in self._missing:
                 continue
             try:
-                value = self.call(candidate.function, *candidate.args, **(candidate.kwargs or {}))
+                value = self._answer(candidate)
                 self._answered.add(key)
                 self._supported.add((index, name))
                 return candidate.convert(value) if candidate.convert else value
@@ -181,12 +199,22 @@ class Nvml:
                     return None
                 if error in _NVML_FATAL:
                     raise NvmlUnavailable(error, f"{candidate.function}: {describe(exc)}") from exc
-                if error in _GPU_FATAL and index >= 0:  # host-wide facts belong to no GPU
+                if error in candidate.gpu_fatal and index >= 0:  # host-wide facts: no GPU's
                     raise GpuFailed(error, f"{candidate.function}: {describe(exc)}") from exc
                 errors.append(SampleError("field", error, index, name, describe(exc)))
                 return None
         self._unsupported.add((index, name))  # no call for it exists in this driver
         return None
+
+    def _answer(self, candidate: Call) -> Any:
+        """The answer of one call; ``candidate.not_found`` when it has one and NVML says
+        ``NotFound``."""
+        try:
+            return self.call(candidate.function, *candidate.args, **(candidate.kwargs or {}))
+        except pynvml.NVMLError as exc:
+            if candidate.not_found is _NOT_FOUND_IS_ERROR or error_name(exc) != "NotFound":
+                raise
+            return candidate.not_found
 
     # -- library ----------------------------------------------------------------------------
 
@@ -198,6 +226,7 @@ class Nvml:
         self._answered.clear()
         self._supported.clear()
         self.incomplete.clear()
+        self._utilization_seen.clear()
         try:
             self.call("nvmlInit")
         except Exception as exc:
@@ -424,6 +453,8 @@ class Nvml:
                 if value is not None:
                     ecc[name] = int(value)
         processes = self._read_processes(index, handle, errors)
+        if processes:
+            processes = self._with_utilization(info, handle, processes, errors)
         gpu = Gpu(
             index=index,
             uuid=info.uuid,
@@ -478,3 +509,63 @@ class Nvml:
         if len(errors) > failed_before:  # one list failed: the other alone would be short
             return None
         return found if known else None
+
+    def _with_utilization(
+        self, info: GpuInfo, handle: Any, processes: list[NvmlProcess], errors: list[SampleError]
+    ) -> list[NvmlProcess]:
+        """``processes`` with their SM utilization since this GPU's previous read (one call).
+
+        NVML answers ``NotFound`` when no process was busy since ``since``: each process then
+        gets 0. Unsupported, failed or invalid: None.
+        """
+        since = self._utilization_since(info)
+        samples: Sequence[Any] | None = self._read(
+            info.index,
+            "process_utilization",
+            errors,
+            Call(
+                "nvmlDeviceGetProcessUtilization",
+                (handle, since),
+                not_found=(),
+                gpu_fatal=_PROCESS_UTILIZATION_FATAL,
+            ),
+        )
+        if samples is None:
+            return processes
+        peaks, newest = sm_peaks(samples, since)
+        self._utilization_seen[info.uuid] = newest
+        return [p._replace(sm_utilization_ratio=peaks.get(p.pid, 0.0)) for p in processes]
+
+    def _utilization_since(self, info: GpuInfo) -> int:
+        """Where the GPU's next utilization read starts (µs): after the newest sample seen; 0
+        (the driver's whole buffer) at first, or when that sample is stamped ahead of the
+        host's clock (the clock was set back: nothing newer would come for that long)."""
+        seen = self._utilization_seen.get(info.uuid, 0)
+        if seen > (self._wall() + _CLOCK_SLACK_SECONDS) * 1e6:
+            log.info(
+                "GPU %d: process utilization stamped ahead of the clock; reading anew", info.index
+            )
+            return 0
+        return seen
+
+
+def sm_peaks(samples: Sequence[Any], since: int) -> tuple[dict[int, float | None], int]:
+    """Per PID, the highest SM utilization (0-1) of ``samples`` newer than ``since``, and the
+    newest timestamp among them (``since`` when none).
+
+    Older samples (and unwritten, zeroed slots) are left out. ``smUtil`` over 100 is garbage
+    that some drivers report: left out too, and a PID with nothing else is None (unknown).
+    """
+    peaks: dict[int, float | None] = {}
+    newest = since
+    for sample in samples:
+        stamp, pid, sm = int(sample.timeStamp), int(sample.pid), int(sample.smUtil)
+        if stamp <= since:
+            continue
+        if sm > 100:
+            peaks.setdefault(pid, None)
+            continue
+        newest = max(newest, stamp)
+        previous = peaks.get(pid)
+        peaks[pid] = sm / 100.0 if previous is None else max(previous, sm / 100.0)
+    return peaks, newest

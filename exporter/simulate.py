@@ -62,6 +62,7 @@ FIELD_FUNCTIONS: dict[str, tuple[str, ...]] = {
         for kind in ("GetCompute", "GetGraphics")
         for version in ("", "_v2", "_v3")
     ),
+    "process_utilization": ("nvmlDeviceGetProcessUtilization",),
 }
 _FIELD_OF = {fn: name for name, fns in FIELD_FUNCTIONS.items() for fn in fns}
 DRIVER_FIELDS = ("init", "count")
@@ -71,6 +72,9 @@ _THRESHOLD_CODES = {"shutdown": 0, "slowdown": 1, "memory_max": 2, "gpu_max": 3}
 _CLOCK_NAMES = ("graphics", "sm", "memory", "video")
 _DEFAULT_THRESHOLDS = {"shutdown": 92.0, "slowdown": 89.0, "gpu_max": 87.0, "memory_max": 95.0}
 _DEFAULT_CLOCKS = {"graphics": 1755.0, "sm": 1755.0, "memory": 2619.0, "video": 1545.0}
+#: The simulated driver samples per-process utilization every 1/6 s and keeps the last 100.
+_UTILIZATION_PERIOD_US = 166_667
+_UTILIZATION_KEPT = 100
 
 
 # -- values that change over time ---------------------------------------------------------------
@@ -222,6 +226,7 @@ class SimProcess:
     holds_device: bool = True  # a spawned process keeps its GPU's device node open
     orphan: bool = False  # spawned by a job leader that exits at once
     churn: float = 0.0  # > 0: a new process (a new PID) every ``churn`` seconds
+    sm_utilization: Value = Value(0.0)  # its share of the SMs' time, 0-1
 
 
 @dataclass(frozen=True)
@@ -335,6 +340,7 @@ def _process(section: Section) -> SimProcess:
         holds_device=section.get("holds_device", boolean, True),
         orphan=section.get("orphan", boolean, False),
         churn=section.get("churn", parse_duration, 0.0),
+        sm_utilization=section.get("sm_utilization", _RATIO_VALUE, Value(0.0)),
     )
     if (process.pid is None) == (not process.spawn):
         raise section.error(None, "give exactly one of pid and spawn")
@@ -602,6 +608,7 @@ class SimulatedDriver:
     clock: Callable[[], float] = time.monotonic
     calls: Counter[str] = field(default_factory=Counter)
     _t0: float = 0.0
+    _epoch_us: int = 0  # the host's clock at install, µs: NVML's timestamps count from it
     _saved: dict[str, Any] = field(default_factory=dict)
     _children: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _pids: dict[tuple[int, int], int] = field(default_factory=dict)
@@ -617,6 +624,11 @@ class SimulatedDriver:
         """Seconds of scenario time."""
         return self.clock() - self._t0
 
+    def wall(self) -> float:
+        """The simulated host's clock, seconds since the epoch: the real one at install plus
+        scenario time. NVML's sample timestamps (per-process utilization) are on it."""
+        return self._epoch_us / 1e6 + self.now()
+
     # -- installation ---------------------------------------------------------------------
 
     def install(self) -> SimulatedDriver:
@@ -624,6 +636,7 @@ class SimulatedDriver:
         if self._saved:
             return self
         self._t0 = self.clock()
+        self._epoch_us = round(time.time() * 1e6)
         try:
             self.dev_root = tempfile.mkdtemp(prefix="gpu-exporter-sim-dev-")
             for gpu in self.scenario.gpus:
@@ -910,6 +923,12 @@ class SimulatedDriver:
 
             return listed
 
+        def process_utilization(h: _Handle, since: int) -> list[Any]:
+            samples = self._utilization_samples(h, int(since))
+            if not samples:
+                _raise("NotFound")  # as the driver: no process busy since ``since``
+            return samples
+
         fakes: dict[str, Callable[..., Any]] = {
             "nvmlInit": init,
             "nvmlInitWithFlags": init,
@@ -947,6 +966,7 @@ class SimulatedDriver:
             "nvmlDeviceGetCurrentClocksEventReasons": reasons,
             "nvmlDeviceGetCurrentClocksThrottleReasons": reasons,
             "nvmlDeviceGetTotalEccErrors": ecc_errors,
+            "nvmlDeviceGetProcessUtilization": process_utilization,
         }
         for kind, fn in (("compute", "GetCompute"), ("graphics", "GetGraphics")):
             for version in ("", "_v2", "_v3"):
@@ -955,11 +975,44 @@ class SimulatedDriver:
 
     def _live_processes(self, h: _Handle, kind: str | None = None) -> Iterator[tuple[int, float]]:
         t = self.now()
+        for pid, proc in self._live(h, kind):
+            yield pid, max(proc.memory.at(t), 0.0)
+
+    def _live(self, h: _Handle, kind: str | None = None) -> Iterator[tuple[int, SimProcess]]:
+        """The PID and entry of each process listed on ``h`` now."""
+        t = self.now()
         for p, proc in enumerate(h.gpu.processes):
             if proc.window.holds(t) and (kind is None or proc.type == kind):
                 pid = self._churn(h, p, proc, t) if proc.churn else self._pids[(h.index, p)]
                 if pid is not None:
-                    yield pid, max(proc.memory.at(t), 0.0)
+                    yield pid, proc
+
+    def _utilization_samples(self, h: _Handle, since: int) -> list[Any]:
+        """What ``nvmlDeviceGetProcessUtilization(h, since)`` answers: a sample for each listed
+        process that was busy at one of the driver's kept sampling moments stamped after
+        ``since``, with its highest SM percent there, stamped with its last busy moment."""
+        moments = self._utilization_moments(since)
+        busiest: dict[int, tuple[int, float]] = {}  # pid -> (percent, last busy moment)
+        for pid, proc in self._live(h):  # a PID in both lists is one process to the driver
+            for m in moments:
+                sm = _percent(proc.sm_utilization.at(m)) if proc.window.holds(m) else 0
+                if sm > 0:
+                    top, last = busiest.get(pid, (0, m))
+                    busiest[pid] = (max(top, sm), max(last, m))
+        samples = []
+        for pid, (sm, last) in busiest.items():
+            sample = pynvml.c_nvmlProcessUtilizationSample_t()
+            sample.pid, sample.smUtil = pid, sm
+            sample.timeStamp = self._epoch_us + round(last * 1e6)
+            samples.append(sample)
+        return samples
+
+    def _utilization_moments(self, since: int) -> list[float]:
+        """The driver's kept sampling moments (scenario seconds) stamped after ``since`` (µs)."""
+        last = round(self.now() * 1e6) // _UTILIZATION_PERIOD_US
+        after = (since - self._epoch_us) // _UTILIZATION_PERIOD_US  # stamped at or before since
+        first = max(0, last - _UTILIZATION_KEPT + 1, after + 1)
+        return [k * _UTILIZATION_PERIOD_US / 1e6 for k in range(first, last + 1)]
 
     def _churn(self, h: _Handle, p: int, proc: SimProcess, t: float) -> int | None:
         """The PID a churning entry lists at ``t``: a new one every ``proc.churn`` seconds.

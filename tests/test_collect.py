@@ -200,3 +200,37 @@ def test_gpu_failing_after_its_uuid_was_read_is_labelled(simulated, collector):
     simulated("gpus: [{name: GPU A, errors: [{field: name, error: GpuIsLost}]}]\n")
     gpu = collector.sample().gpus[0]
     assert not gpu.up and gpu.uuid.startswith("GPU-")
+
+
+def test_process_sm_utilization_is_merged_by_pid(simulated, clock):
+    pid = _dead_pid()
+    driver = simulated(
+        f"""
+        gpus:
+          - name: GPU A
+            processes:
+              - {{pid: self, memory: 1GiB, sm_utilization: 0.3}}
+              - {{pid: self, memory: 1GiB, type: graphics}}
+              - {{pid: {pid}, memory: 3GiB, sm_utilization: 0.8}}
+              - {{pid: parent, memory: 1GiB}}
+          - name: GPU B
+            unsupported: [process_utilization]
+            processes: [{{pid: self, memory: 1GiB, sm_utilization: 0.9}}]
+        """
+    )
+    collector = Collector(Nvml(wall=driver.wall), ProcFs(), monotonic=clock)
+    try:
+        snap = collector.sample()
+    finally:
+        collector.close()
+    found = {(p.pid, p.type): p.sm_utilization_ratio for p in snap.gpus[0].processes}
+    assert found == {
+        (os.getpid(), "compute"): 0.3,
+        (os.getpid(), "graphics"): 0.3,  # NVML's samples are per PID, not per list
+        (pid, "compute"): 0.8,  # not visible here, still known to NVML
+        (os.getppid(), "compute"): 0.0,
+    }
+    (unsupported,) = snap.gpus[1].processes
+    assert unsupported.sm_utilization_ratio is None
+    assert snap.errors == ()
+    assert snap.to_dict()["gpus"][0]["processes"][0]["sm_utilization_ratio"] == 0.3

@@ -125,3 +125,27 @@ def test_liveness_lines_parse():
     assert one(found, "gpu_exporter_snapshot_age_seconds") == 12.5
     assert one(found, "gpu_exporter_snapshot_stale") == 1
     assert "gpu_exporter_snapshot_age_seconds" not in samples(render_liveness(None, True))
+
+
+def test_process_sm_utilization_has_the_process_labels_and_is_absent_when_unknown(
+    simulated, collector
+):
+    simulated(
+        """
+        gpus:
+          - processes:
+              - {pid: self, memory: 1GiB, sm_utilization: 0.25}
+              - {pid: parent, memory: 1GiB}
+          - unsupported: [process_utilization]
+            processes: [{pid: self, memory: 1GiB, sm_utilization: 0.5}]
+        """
+    )
+    found = samples(render(collector.sample(), SelfStats(5)))
+    series = found["gpu_process_sm_utilization_ratio"]
+    memory = found["gpu_process_memory_used_bytes"]
+    assert {tuple(sorted(s.labels)) for s in series} == {tuple(sorted(memory[0].labels))}
+    me, parent = str(os.getpid()), str(os.getppid())
+    assert one(found, "gpu_process_sm_utilization_ratio", gpu="0", pid=me) == 0.25
+    assert one(found, "gpu_process_sm_utilization_ratio", gpu="0", pid=parent) == 0  # idle
+    assert {s.labels["gpu"] for s in series} == {"0"}  # GPU 1's processes: unknown, absent
+    assert {s.labels["gpu"] for s in memory} == {"0", "1"}

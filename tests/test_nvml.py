@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+import pynvml
 import pytest
 
-from exporter.nvml import GpuFailed, Nvml, NvmlUnavailable
+from exporter.nvml import GpuFailed, Nvml, NvmlUnavailable, sm_peaks
 
 ONE_GPU = """
 gpus:
@@ -203,3 +206,152 @@ def test_mig_devices_are_read_with_the_static_facts(simulated):
     nvml.init()
     assert nvml.read_info(0).mig_uuids == ("MIG-1111", "MIG-2222")
     assert nvml.read_info(1).mig_uuids == ()
+
+
+# -- per-process SM utilization ------------------------------------------------------------------
+
+BUSY_AND_IDLE = """
+gpus:
+  - processes:
+      - {pid: self, memory: 1GiB, sm_utilization: %s}
+      - {pid: parent, memory: 1GiB}
+"""
+
+
+def _utilization(reading) -> dict[int, float | None]:
+    return {p.pid: p.sm_utilization_ratio for p in reading.processes}
+
+
+def test_process_utilization_is_the_busiest_moment_per_process(simulated, clock):
+    driver = simulated(BUSY_AND_IDLE % "{base: 0.5, amplitude: 0.2, period: 4s}")
+    nvml = Nvml(wall=driver.wall)
+    nvml.init()
+    info, first = _read(nvml)
+    clock.advance(1.5)
+    second = nvml.read_gpu(info)  # its window holds the crest of the wave, at 1 s
+    assert _utilization(first) == {os.getpid(): 0.5, os.getppid(): 0.0}  # t=0: sin(0)
+    assert _utilization(second) == {os.getpid(): 0.7, os.getppid(): 0.0}
+    assert first.errors == second.errors == []
+    assert driver.calls["nvmlDeviceGetProcessUtilization"] == 2
+
+
+def test_no_busy_process_is_not_found_and_reads_zero_for_all(simulated, clock):
+    driver = simulated(BUSY_AND_IDLE % "0")
+    nvml = Nvml(wall=driver.wall)
+    nvml.init()
+    info, reading = _read(nvml)
+    clock.advance(5)
+    again = nvml.read_gpu(info)
+    for found in (reading, again):
+        assert _utilization(found) == {os.getpid(): 0.0, os.getppid(): 0.0}
+        assert found.errors == []
+    assert driver.calls["nvmlDeviceGetProcessUtilization"] == 2  # asked each sample all the same
+
+
+def test_each_read_covers_the_time_since_the_previous_one(simulated, clock):
+    # busy at 60 % until 10 s, idle after; the driver keeps about 17 s of samples
+    driver = simulated(BUSY_AND_IDLE % "{from: 0.6, to: 0, start: 10s}")
+    nvml = Nvml(wall=driver.wall)
+    nvml.init()
+    info = nvml.read_info(0)
+    seen = []
+    for advance in (0, 5, 7, 2, 3):  # at 0, 5, 12, 14 and 17 s
+        clock.advance(advance)
+        seen.append(_utilization(nvml.read_gpu(info))[os.getpid()])
+    # 5 -> 12 s still holds busy moments; 12 -> 14 s does not, though the buffer does
+    assert seen == [0.6, 0.6, 0.6, 0.0, 0.0]
+
+
+def test_a_timestamp_ahead_of_the_clock_reads_the_whole_buffer_again(simulated, clock):
+    driver = simulated(BUSY_AND_IDLE % "{from: 0.6, to: 0, start: 10s}")
+    nvml = Nvml(wall=lambda: driver.wall() - 3600)  # the host's clock was set back an hour
+    nvml.init()
+    info = nvml.read_info(0)
+    for advance in (0, 12, 2):
+        clock.advance(advance)
+        reading = nvml.read_gpu(info)
+    assert _utilization(reading)[os.getpid()] == 0.6  # not 0: never newer than a future stamp
+
+
+@pytest.mark.parametrize(
+    ("driver_line", "gpu_line"),
+    [
+        ("", "    unsupported: [process_utilization]\n"),
+        ("driver: {missing_functions: [nvmlDeviceGetProcessUtilization]}\n", ""),
+    ],
+    ids=["not-supported", "driver-lacks-it"],
+)
+def test_unsupported_process_utilization_is_none_and_not_retried(simulated, driver_line, gpu_line):
+    driver = simulated(driver_line + BUSY_AND_IDLE % "0.5" + gpu_line)
+    nvml = Nvml(wall=driver.wall)
+    nvml.init()
+    info, first = _read(nvml)
+    for reading in (first, nvml.read_gpu(info), nvml.read_gpu(info)):
+        assert set(_utilization(reading).values()) == {None}
+        assert reading.errors == []
+        assert reading.gpu.memory_used_bytes is not None
+    assert driver.calls["nvmlDeviceGetProcessUtilization"] == 1
+
+
+@pytest.mark.parametrize("error", ["Timeout", "Unknown"])
+def test_failed_process_utilization_is_none_for_that_sample_only(simulated, clock, error):
+    driver = simulated(
+        BUSY_AND_IDLE % "0.5"
+        + f"    errors: [{{field: process_utilization, error: {error}, until: 5s}}]\n"
+    )
+    nvml = Nvml(wall=driver.wall)
+    nvml.init()
+    info, reading = _read(nvml)  # the GPU stays up: every other call on it answered
+    assert set(_utilization(reading).values()) == {None}
+    assert [(e.source, e.error, e.field) for e in reading.errors] == [
+        ("field", error, "process_utilization")
+    ]
+    assert reading.gpu.memory_used_bytes is not None and len(reading.processes) == 2
+    clock.advance(5)
+    reading = nvml.read_gpu(info)
+    assert _utilization(reading) == {os.getpid(): 0.5, os.getppid(): 0.0}
+    assert reading.errors == []
+
+
+def test_lost_gpu_during_process_utilization_still_fails_the_gpu(simulated):
+    simulated(
+        BUSY_AND_IDLE % "0.5" + "    errors: [{field: process_utilization, error: GpuIsLost}]\n"
+    )
+    nvml = Nvml()
+    nvml.init()
+    info = nvml.read_info(0)
+    with pytest.raises(GpuFailed) as failed:
+        nvml.read_gpu(info)
+    assert failed.value.error == "GpuIsLost"
+
+
+def test_a_gpu_without_processes_is_not_asked_for_their_utilization(simulated):
+    driver = simulated("gpus: [{utilization: 0.9}]\n")
+    nvml = Nvml()
+    nvml.init()
+    info, reading = _read(nvml)
+    nvml.read_gpu(info)
+    assert reading.processes == []
+    assert driver.calls["nvmlDeviceGetProcessUtilization"] == 0
+
+
+def _sample(pid: int, stamp: int, sm: int) -> pynvml.c_nvmlProcessUtilizationSample_t:
+    sample = pynvml.c_nvmlProcessUtilizationSample_t()
+    sample.pid, sample.timeStamp, sample.smUtil = pid, stamp, sm
+    return sample
+
+
+def test_sm_peaks_keeps_the_newest_valid_samples_and_drops_garbage():
+    samples = [
+        _sample(1, 150, 20),
+        _sample(1, 160, 70),
+        _sample(1, 90, 100),  # older than asked for
+        _sample(2, 170, 4294967295),  # garbage: unknown, not busy and not idle
+        _sample(3, 140, 101),
+        _sample(3, 130, 5),
+        _sample(0, 0, 0),  # an unwritten slot
+    ]
+    peaks, newest = sm_peaks(samples, since=100)
+    assert peaks == {1: 0.7, 2: None, 3: 0.05}
+    assert newest == 160  # garbage timestamps are not trusted
+    assert sm_peaks([], since=100) == ({}, 100)

@@ -34,6 +34,11 @@ def test_builtin_scenario_loads():
         ("gpus:\n  - memory_total: lots\n", "s.yaml:2", "gpus[0].memory_total"),
         ("gpus:\n  - processes: [{memory: 1GiB}]\n", "s.yaml:2", "exactly one of pid and spawn"),
         ("gpus:\n  - processes: [{pid: -3}]\n", "s.yaml:2", "positive PID"),
+        (
+            "gpus:\n  - processes: [{pid: 1, sm_utilization: 1.5}]\n",
+            "s.yaml:2",
+            "sm_utilization: must be from 0 to 1",
+        ),
         ("gpus:\n  - temperature: {from: 40}\n", "s.yaml:2", "needs both 'from' and 'to'"),
         ("gpus:\n  - present: {from: 5s, until: 1s}\n", "s.yaml:2", "later than from"),
         ("driver:\n  cuda_version: twelve\n", "s.yaml:2", "CUDA version"),
@@ -252,3 +257,30 @@ def test_bad_churn_is_refused_with_its_key(entry, needle):
         parse(f"gpus:\n  - processes: [{entry}]\n")
     message = str(failed.value)
     assert message.startswith("s.yaml:2") and needle in message, message
+
+
+def test_process_utilization_answers_like_a_driver(simulated, clock):
+    driver = simulated(
+        """
+        gpus:
+          - processes:
+              - {pid: self, sm_utilization: {points: [[0s, 0.2], [2s, 0.9], [3s, 0]]}}
+              - {pid: parent}
+          - unsupported: [process_utilization]
+            processes: [{pid: self, sm_utilization: 1}]
+        """
+    )
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    clock.advance(2.5)
+    (sample,) = pynvml.nvmlDeviceGetProcessUtilization(handle, 0)  # idle processes: no sample
+    assert isinstance(sample, pynvml.c_nvmlProcessUtilizationSample_t)
+    assert (sample.pid, sample.smUtil) == (os.getpid(), 90)  # the busiest moment, at 2 s
+    assert sample.timeStamp == pytest.approx(driver.wall() * 1e6, abs=200_000)  # last moment
+    clock.advance(1)  # idle from 3 s
+    (later,) = pynvml.nvmlDeviceGetProcessUtilization(handle, sample.timeStamp)
+    assert later.smUtil < 90 and later.timeStamp > sample.timeStamp
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        pynvml.nvmlDeviceGetProcessUtilization(handle, later.timeStamp)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        pynvml.nvmlDeviceGetProcessUtilization(pynvml.nvmlDeviceGetHandleByIndex(1), 0)
