@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from exporter.actions.scheduler import ActionsConfig, parse_actions
-from exporter.units import parse_duration
+from exporter.validate import duration_between
 from exporter.yamlconf import ConfigError, Section, load_document
 
 DEFAULT_PORT = 9402
@@ -71,18 +71,14 @@ def parse_listen(value: Any) -> Listen:
     return Listen(host, int(port_text))
 
 
-def _positive_duration(minimum: float) -> Callable[[Any], float]:
-    def parse(value: Any) -> float:
-        seconds = parse_duration(value)
-        if seconds < minimum:
-            raise ValueError(f"must be at least {minimum:g}s, got {value!r}")
-        return seconds
-
-    return parse
+#: Bounds of interval and deadline: a sample at least every hour, or the exporter says nothing
+#: useful (and /healthz, which waits interval + deadline, would hide a dead sampler for days).
+MIN_INTERVAL, MAX_INTERVAL = 0.01, 3600.0
+_interval = duration_between(MIN_INTERVAL, MAX_INTERVAL)
 
 
 def _optional_duration(value: Any) -> float | None:
-    return None if value in (None, "", "auto") else _positive_duration(0.01)(value)
+    return None if value in (None, "", "auto") else _interval(value)
 
 
 def _log_level(value: Any) -> str:
@@ -98,7 +94,7 @@ def _simulate(value: Any) -> str | None:
     if value is True or str(value).strip().lower() in ("true", "yes", "on", BUILTIN_SCENARIO):
         return BUILTIN_SCENARIO
     path = str(value)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):  # the scenario loader refuses what is not a regular file
         raise ValueError(f"scenario file {path!r} does not exist")
     from exporter.simulate import load_scenario  # only configs that simulate pay for it
 
@@ -171,7 +167,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "interval",
         "--interval",
-        _positive_duration(0.01),
+        _interval,
         "5s",
         "time between samples (default 5s)",
     ),

@@ -1,4 +1,9 @@
-"""Parse and format the human units used in flags, config and scenarios (durations, sizes)."""
+"""Parse and format the human units used in flags, config and scenarios (durations, sizes).
+
+Every duration and size has an upper bound: past it a value is a ValueError naming the bound,
+so that no absurd value reaches a timer, a wait or a sleep (which raise OverflowError far below
+what a float can hold).
+"""
 
 from __future__ import annotations
 
@@ -17,76 +22,141 @@ _SIZE_UNITS = {
     "gb": 1000**3,
     "t": 1000**4,
     "tb": 1000**4,
+    "p": 1000**5,
+    "pb": 1000**5,
     "kib": 1024,
     "mib": 1024**2,
     "gib": 1024**3,
     "tib": 1024**4,
+    "pib": 1024**5,
 }
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(us|ms|s|m|h|d)")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SHOWN = 40  # characters of a value quoted back in an error
+
+#: The longest duration anything accepts: a year, leap day included. Far below what APScheduler,
+#: datetime.timedelta, threading waits (threading.TIMEOUT_MAX) and time.sleep can hold.
+MAX_DURATION = 366 * 86400.0
+#: The largest size anything accepts: 1 PiB, far more than any GPU or host has.
+MAX_SIZE = 1024**5
 
 
-def parse_duration(value: object) -> float:
-    """Seconds from a number (seconds) or a string like ``500ms``, ``30s``, ``5m``, ``1h30m``."""
-    try:
-        return _parse_duration(value)
-    except OverflowError:
-        raise ValueError(f"duration is too large: {str(value)[:20]}...") from None
+def parse_duration(value: object, maximum: float = MAX_DURATION) -> float:
+    """Seconds from a number (seconds) or a string like ``500ms``, ``30s``, ``5m``, ``1h30m``;
+    from 0 to ``maximum`` (default :data:`MAX_DURATION`)."""
+    seconds = _duration_seconds(value)
+    if math.isnan(seconds) or (math.isinf(seconds) and _says_infinity(value)):
+        raise ValueError(f"expected a finite duration, got {shown(value)}")
+    if seconds < 0:
+        raise ValueError(f"a duration must be 0 or more, got {shown(value)}")
+    if seconds > maximum:
+        longest = format_duration(maximum)
+        raise ValueError(f"{shown(value)} is longer than the maximum {longest}")
+    return seconds + 0.0  # -0.0 is 0
 
 
-def _parse_duration(value: object) -> float:
+def _duration_seconds(value: object) -> float:
+    """Seconds, unchecked: NaN, infinite or negative as written; ``inf`` when too large for a
+    float."""
     if isinstance(value, bool):
         raise ValueError(f"expected a duration like 5s or 500ms, got {value!r}")
     if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str):
-        text = value.strip()
-        try:
-            seconds = float(text)
-        except ValueError:
-            pos, seconds = 0, 0.0
-            for match in _DURATION_PART.finditer(text):
-                if match.start() != pos:
-                    break
-                seconds += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
-                pos = match.end()
-            if pos == 0 or pos != len(text):
-                raise ValueError(
-                    f"expected a duration like 5s, 500ms or 1m30s, got {value!r}"
-                ) from None
-    else:
-        raise ValueError(f"expected a duration like 5s or 500ms, got {value!r}")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"duration must be a finite, non-negative number, got {value!r}")
+        return _float(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected a duration like 5s or 500ms, got {quoted(value)}")
+    text = value.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    pos, seconds = 0, 0.0
+    for match in _DURATION_PART.finditer(text):
+        if match.start() != pos:
+            break
+        seconds += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+        pos = match.end()
+    if pos == 0 or pos != len(text):
+        raise ValueError(f"expected a duration like 5s, 500ms or 1m30s, got {quoted(value)}")
     return seconds
 
 
-def parse_size(value: object) -> int:
-    """Bytes from an integer or a string like ``512MiB``, ``4GiB``, ``80GB``."""
-    try:
-        return _parse_size(value)
-    except OverflowError:
-        raise ValueError(f"size is too large: {str(value)[:20]}...") from None
-
-
-def _parse_size(value: object) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"expected a size like 4GiB or 512MiB, got {value!r}")
-    if isinstance(value, int):
-        number, unit = float(value), ""
-    elif isinstance(value, float):
-        number, unit = value, ""
-    elif isinstance(value, str) and (match := _SIZE.match(value)):
-        number, unit = float(match.group(1)), match.group(2).lower()
-    else:
-        raise ValueError(f"expected a size like 4GiB or 512MiB, got {value!r}")
+def parse_size(value: object, maximum: int = MAX_SIZE) -> int:
+    """Bytes from an integer or a string like ``512MiB``, ``4GiB``, ``80GB``; from 0 to
+    ``maximum`` (default :data:`MAX_SIZE`)."""
+    number, unit = _size_parts(value)
     if unit not in _SIZE_UNITS:
         raise ValueError(
-            f"unknown size unit {unit!r} in {value!r} (use B, KiB, MiB, GiB, TiB, KB, MB, GB)"
+            f"unknown size unit {unit!r} in {quoted(value)} "
+            "(use B, KiB, MiB, GiB, TiB, PiB, KB, MB, GB, TB, PB)"
         )
-    if not math.isfinite(number) or number < 0:
-        raise ValueError(f"size must be a finite, non-negative number, got {value!r}")
-    return int(number * _SIZE_UNITS[unit])
+    if math.isnan(number) or (math.isinf(number) and _says_infinity(value)):
+        raise ValueError(f"expected a finite size, got {shown(value)}")
+    if number < 0:
+        raise ValueError(f"a size must be 0 or more, got {shown(value)}")
+    total = number * _SIZE_UNITS[unit]
+    if total > maximum:
+        raise ValueError(f"{shown(value)} is larger than the maximum {format_size(maximum)}")
+    return int(total)
+
+
+def _size_parts(value: object) -> tuple[float, str]:
+    """(number, lower-case unit) as written; the number is ``inf`` when too large for a float."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size like 4GiB or 512MiB, got {value!r}")
+    if isinstance(value, (int, float)):
+        return _float(value), ""
+    if isinstance(value, str) and (match := _SIZE.match(value)):
+        return float(match.group(1)), match.group(2).lower()
+    raise ValueError(f"expected a size like 4GiB or 512MiB, got {quoted(value)}")
+
+
+def _float(value: int | float) -> float:
+    """``value`` as a float; ``inf`` (or ``-inf``) for an integer too large for one."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _says_infinity(value: object) -> bool:
+    """Whether ``value`` is an infinity as written (``inf``, ``.inf``), not a huge number."""
+    return isinstance(value, float) or (isinstance(value, str) and "inf" in value.lower())
+
+
+def shown(value: object) -> str:
+    """``value`` as written, cut short for an error message."""
+    try:
+        text = value.strip() if isinstance(value, str) else str(value)
+    except ValueError:  # an integer of more digits than str() converts
+        text = "a huge number"
+    return _cut(text)
+
+
+def quoted(value: object) -> str:
+    """``repr(value)``, cut short for an error message."""
+    return _cut(repr(value)) if isinstance(value, str) else shown(value)
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
+
+
+def format_duration(seconds: float) -> str:
+    """``366d``, ``1h``, ``10ms``: the largest unit that holds ``seconds`` whole, else seconds."""
+    for unit, size in sorted(_DURATION_UNITS.items(), key=lambda item: -item[1]):
+        count = seconds / size
+        if count >= 1 and abs(count - round(count)) < 1e-9:
+            return f"{round(count)}{unit}"
+    return f"{seconds:g}s"
+
+
+def format_size(size: int) -> str:
+    """``1PiB``, ``512MiB``: the largest binary unit that holds ``size`` whole, else bytes."""
+    for unit in ("PiB", "TiB", "GiB", "MiB", "KiB"):
+        factor = _SIZE_UNITS[unit.lower()]
+        if size >= factor and size % factor == 0:
+            return f"{size // factor}{unit}"
+    return f"{size}B"
 
 
 def format_bytes(value: float | None) -> str:

@@ -4,27 +4,49 @@ ValueError with a one-line message (yamlconf adds the file, line and key)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
-from exporter.units import parse_duration, parse_size
+from exporter.units import (
+    MAX_DURATION,
+    MAX_SIZE,
+    format_duration,
+    parse_duration,
+    parse_size,
+    quoted,
+)
 
 
 def positive_duration(raw: Any) -> float:
-    """A duration greater than zero (``500ms``, ``30s``, ``5m``)."""
+    """A duration greater than zero (``500ms``, ``30s``, ``5m``), at most ``MAX_DURATION``."""
     seconds = parse_duration(raw)
     if seconds <= 0:
-        raise ValueError(f"must be more than 0s, got {raw!r}")
+        raise ValueError(f"must be more than 0s, got {quoted(raw)}")
     return seconds
 
 
 def duration(raw: Any) -> float:
-    """A duration of zero or more."""
+    """A duration from zero to ``MAX_DURATION``."""
     return parse_duration(raw)
 
 
+def duration_between(minimum: float, maximum: float) -> Callable[[Any], float]:
+    """A duration from ``minimum`` to ``maximum`` (which is at most ``MAX_DURATION``)."""
+    if not 0 <= minimum <= maximum <= MAX_DURATION:
+        raise ValueError(f"bad bounds {minimum!r} to {maximum!r}")
+
+    def parse(raw: Any) -> float:
+        seconds = parse_duration(raw, maximum)
+        if seconds < minimum:
+            raise ValueError(f"must be at least {format_duration(minimum)}, got {quoted(raw)}")
+        return seconds
+
+    return parse
+
+
 def size(raw: Any) -> int:
-    """A size in bytes (``4GiB``, ``512MiB``)."""
-    return parse_size(raw)
+    """A size in bytes (``4GiB``, ``512MiB``), at most ``MAX_SIZE``."""
+    return parse_size(raw, MAX_SIZE)
 
 
 def ratio(raw: Any) -> float:

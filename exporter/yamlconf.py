@@ -6,6 +6,8 @@ which plain PyYAML would silently resolve to the last one.
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -118,16 +120,68 @@ def _build(
     return _construct(node, loader)
 
 
+#: The largest config or scenario file read: real ones are a few KiB.
+MAX_FILE_BYTES = 1024 * 1024
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
 def load_document(path: str) -> Document:
     """Read and parse ``path``; raises ConfigError for unreadable files and bad YAML."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
+        text = read_text(path).replace("\r\n", "\n").replace("\r", "\n")  # as open() reads
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(
             path, "", f"cannot read: {getattr(exc, 'strerror', None) or exc}"
         ) from None
     return parse_document(text, path)
+
+
+def read_text(path: str, limit: int = MAX_FILE_BYTES) -> str:
+    """The UTF-8 text of the regular file at ``path`` (links followed), of at most ``limit``
+    bytes; raises ConfigError for anything else, OSError or UnicodeDecodeError when unreadable."""
+    _check_regular(path, os.stat(path), limit)  # before opening: opening a device can act
+    # O_NONBLOCK: a FIFO swapped in after the stat fails the check below instead of blocking
+    # until a writer comes (forever, for a SIGHUP reload).
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        _check_regular(path, os.fstat(fd), limit)
+        data = _read_at_most(fd, limit + 1)  # it may have grown since
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ConfigError(path, "", f"is larger than {_mib(limit)}")
+    return data.decode("utf-8")
+
+
+def _check_regular(path: str, info: os.stat_result, limit: int) -> None:
+    """Raise unless ``info`` is of a regular file of at most ``limit`` bytes."""
+    if not stat.S_ISREG(info.st_mode):
+        kind = next((name for test, name in _KINDS if test(info.st_mode)), "of an unknown kind")
+        raise ConfigError(path, "", f"is not a regular file ({kind})")
+    if info.st_size > limit:
+        raise ConfigError(path, "", f"is larger than {_mib(limit)}")
+
+
+def _read_at_most(fd: int, count: int) -> bytes:
+    """Up to ``count`` bytes of ``fd``, fewer at its end."""
+    chunks, left = [], count
+    while left > 0:
+        chunk = os.read(fd, min(left, 65536))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _mib(size: int) -> str:
+    return f"{size / 1024**2:g} MiB"
 
 
 def parse_document(text: str, path: str = "<string>") -> Document:

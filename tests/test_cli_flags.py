@@ -20,13 +20,23 @@ import pytest
 import exporter.cli
 import exporter.launcher.cli
 from exporter.cli import build_parser, main
-from tests.agent import exporter_cli
+from tests.agent import clean_env, exporter_cli
 
 #: Bad values of each flag, the same in every subcommand that has it. Placeholders: {missing} a
 #: path that does not exist, {dir} a directory, {file} a file, {garbage} a file of junk bytes,
-#: {bad_config} a config with an unknown key, {bad_scenario} a scenario with one.
+#: {bad_config} a config with an unknown key, {bad_scenario} a scenario with one, {big} a file
+#: over 1 MiB, {long_every} a config with an ``every`` past its maximum. (A FIFO and /dev/zero,
+#: which would hang or fill this process if they were read, are tested as real commands in
+#: test_fuzz.py.)
 BAD: dict[str, list[str]] = {
-    "--config": ["{missing}", "{dir}", "{garbage}", "{bad_config}"],
+    "--config": [
+        "{missing}",
+        "{dir}",
+        "{garbage}",
+        "{bad_config}",
+        "{big}",
+        "{long_every}",
+    ],
     "--listen": [
         "nonsense",
         "127.0.0.1:70000",
@@ -37,10 +47,28 @@ BAD: dict[str, list[str]] = {
         "my host:9402",
         "",
     ],
-    "--interval": ["5 parsecs", "-1s", "0", "5ms", "nan", "inf", "1e999", "9" * 400, ""],
-    "--deadline": ["5 parsecs", "-1s", "0", "nan", "soon"],
+    "--interval": [
+        "5 parsecs",
+        "-1s",
+        "0",
+        "5ms",
+        "nan",
+        "inf",
+        "1e999",
+        "9" * 400,
+        "",
+        "61m",
+        "99999999999999999999999999999d",
+    ],
+    "--deadline": ["5 parsecs", "-1s", "0", "nan", "soon", "inf", "2h", "9" * 400 + "d"],
     "--log-level": ["loud", "", "INFO2"],
-    "--simulate": ["{missing}", "{dir}", "{garbage}", "{bad_scenario}"],
+    "--simulate": [
+        "{missing}",
+        "{dir}",
+        "{garbage}",
+        "{bad_scenario}",
+        "{big}",
+    ],
     "--proc": ["{missing}", "{file}", ""],
     "--lock-dir": ["{missing}", "{file}", ""],
     "--dev": ["{missing}", "{file}", ""],
@@ -51,13 +79,13 @@ BAD: dict[str, list[str]] = {
     "--expose-cmdline": ["maybe", "", "2"],
     "--count": ["0", "-1", "65", "abc", "1.5", "", "9" * 400],
     "--policy": ["nope", ""],
-    "--min-free-memory": ["lots", "-1GiB", "8 parsecs", "8GiBs", "", "1" * 400],
+    "--min-free-memory": ["lots", "-1GiB", "8 parsecs", "8GiBs", "", "1" * 400, "2PiB", "nan"],
     "--max-utilization": ["1.5", "-0.1", "nan", "inf", "abc", ""],
     "--max-temperature": ["500", "-100", "hot", "inf", ""],
     "--strategy": ["random", "", "MOST_FREE_MEMORY"],
     "--format": ["xml", ""],
     "--from": ["nonsense", "ftp://localhost/", ""],
-    "--wait": ["5 parsecs", "-1s", "nan", ""],
+    "--wait": ["5 parsecs", "-1s", "nan", "", "inf", "367d", "99999999999999999999999999999d"],
     "--restart": ["sometimes", "", "NEVER"],
     "--max-restarts": ["-1", "many", "1.5", "", "\u00b2"],
 }
@@ -118,7 +146,12 @@ def paths(tmp_path: Path) -> dict[str, str]:
     bad_scenario.write_text("gpus:\n  - temprature: 50\n")
     afile = tmp_path / "file"
     afile.write_text("")
+    (tmp_path / "big.yaml").write_bytes(b"#" * (2 * 1024 * 1024) + b"\n")
+    long_every = tmp_path / "long-every.yaml"
+    long_every.write_text("actions:\n  thermal:\n    every: 99999999999999999999999999999d\n")
     return {
+        "big": str(tmp_path / "big.yaml"),
+        "long_every": str(long_every),
         "missing": str(tmp_path / "missing"),
         "dir": str(tmp_path),
         "file": str(afile),
@@ -217,7 +250,7 @@ def test_bad_tls_files(argv: list[str], paths: dict[str, str], capsys: pytest.Ca
 
 
 @pytest.mark.usefixtures("guarded")
-@pytest.mark.parametrize("name", ["missing", "dir", "garbage", "bad_config"])
+@pytest.mark.parametrize("name", ["missing", "dir", "garbage", "bad_config", "big"])
 def test_check_config_bad_file(
     name: str, paths: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -287,6 +320,10 @@ def test_the_guard_catches_an_accepted_value(capsys: pytest.CaptureFixture[str])
         ["status", "--simulate", "{bad_scenario}"],
         ["recommend", "--simulate", "--count", "0"],
         ["run", "--simulate", "--wait", "5 parsecs", "--", "true"],
+        ["serve", "--interval", "99999999999999999999999999999d"],
+        ["serve", "--deadline", "1e999"],
+        ["run", "--simulate", "--wait", "99999999999999999999999999999d", "--", "true"],
+        ["recommend", "--simulate", "--min-free-memory", "99999999999999999999999999999PiB"],
     ],
     ids=lambda argv: " ".join(argv[:3]),
 )
@@ -299,3 +336,20 @@ def test_real_command(argv: list[str], paths: dict[str, str]) -> None:
     assert result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert flag in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "maximum"),
+    [
+        ("GPU_EXPORTER_INTERVAL", "99999999999999999999999999999d", "1h"),
+        ("GPU_EXPORTER_DEADLINE", "1e999", "1h"),
+    ],
+)
+def test_real_command_too_long_variable(variable: str, value: str, maximum: str) -> None:
+    result = exporter_cli("serve", "--simulate", env=clean_env(**{variable: value}))
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert result.stderr == (
+        f"gpu-exporter: environment variable {variable}: {value} is longer than the maximum "
+        f"{maximum}\n"
+    )

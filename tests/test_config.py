@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -544,9 +545,209 @@ def test_huge_integer_is_a_config_error(tmp_path: Path) -> None:
     path = write(tmp_path, "history: 5\ninterval: " + "1" * 400 + "\n")
     message = config_error(path)
     assert "config.yaml:2: interval:" in message
-    assert "too large" in message
+    assert "is longer than the maximum 1h" in message
+    assert len(message) < len(path) + 100  # the value is cut short
 
 
 def test_huge_integer_in_a_flag_is_a_config_error() -> None:
     message = config_error(None, flags={"interval": 10**400})
     assert message.startswith("flag --interval: ")
+
+
+# -- upper bounds of durations and sizes ----------------------------------------------------------
+
+HUGE_DURATION = "99999999999999999999999999999d"
+HUGE_SIZE = "99999999999999999999999999999PiB"
+#: Every duration and size key of the config file, with its maximum as the message says it.
+DURATION_KEYS = {
+    "interval": "1h",
+    "deadline": "1h",
+    "actions.zombie_reaper.every": "366d",
+    "actions.zombie_reaper.min_age": "366d",
+    "actions.zombie_reaper.grace_period": "366d",
+    "actions.zombie_reaper.kill_timeout": "366d",
+    "actions.thermal.every": "366d",
+    "actions.thermal.for": "366d",
+    "actions.recommend.every": "366d",
+}
+SIZE_KEYS = {
+    "actions.zombie_reaper.leaked_min_memory": "1PiB",
+    "actions.recommend.policies.default.min_free_memory": "1PiB",
+}
+EXAMPLE = Path(__file__).resolve().parent.parent / "config.example.yaml"
+
+
+def nested(key: str, value: str) -> str:
+    """YAML setting the dotted ``key`` to ``value``, one level per line."""
+    *sections, name = key.split(".")
+    lines = [f"{'  ' * depth}{section}:" for depth, section in enumerate(sections)]
+    return "\n".join([*lines, f"{'  ' * len(sections)}{name}: {value}"]) + "\n"
+
+
+def test_every_duration_and_size_key_of_the_example_is_covered() -> None:
+    """A key added to config.example.yaml with a duration or a size joins the lists above."""
+    value = re.compile(r"^[\s#]*(\w+): (\d+(?:ms|s|m|h|d)|\d+[KMGTP]i?B)\s*(#.*)?$")
+    found = {m.group(1) for line in EXAMPLE.read_text().splitlines() if (m := value.match(line))}
+    known = {key.rpartition(".")[2] for key in (*DURATION_KEYS, *SIZE_KEYS)}
+    assert found == known
+
+
+@pytest.mark.parametrize(("key", "maximum"), list(DURATION_KEYS.items()))
+def test_every_duration_key_has_a_maximum(tmp_path: Path, key: str, maximum: str) -> None:
+    path = write(tmp_path, "history: 5\n" + nested(key, HUGE_DURATION))
+    message = config_error(path)
+    line = len(key.split(".")) + 1
+    assert message == (
+        f"{path}:{line}: {key}: {HUGE_DURATION} is longer than the maximum {maximum}"
+    )
+    assert load_config(write(tmp_path, nested(key, maximum), "max.yaml"), {}, environ={})
+
+
+@pytest.mark.parametrize(("key", "maximum"), list(SIZE_KEYS.items()))
+def test_every_size_key_has_a_maximum(tmp_path: Path, key: str, maximum: str) -> None:
+    path = write(tmp_path, nested(key, HUGE_SIZE))
+    message = config_error(path)
+    line = len(key.split("."))
+    assert message == f"{path}:{line}: {key}: {HUGE_SIZE} is larger than the maximum {maximum}"
+    assert load_config(write(tmp_path, nested(key, maximum), "max.yaml"), {}, environ={})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "needle"),
+    [
+        *((key, value, "finite") for key in DURATION_KEYS for value in (".nan", ".inf")),
+        *((key, value, "finite") for key in SIZE_KEYS for value in (".nan", ".inf")),
+        ("interval", "nan", "finite"),
+        ("actions.thermal.for", "inf", "finite"),
+        ("interval", "61m", "61m is longer than the maximum 1h"),
+        ("deadline", "3601", "3601 is longer than the maximum 1h"),
+        ("actions.thermal.every", "367d", "367d is longer than the maximum 366d"),
+        ("actions.zombie_reaper.min_age", 10**400, "is longer than the maximum 366d"),
+    ],
+)
+def test_non_finite_and_too_long_values(
+    tmp_path: Path, key: str, value: object, needle: str
+) -> None:
+    path = write(tmp_path, nested(key, str(value)))
+    message = config_error(path)
+    assert message.startswith(f"{path}:{len(key.split('.'))}: {key}: "), message
+    assert needle in message
+
+
+@pytest.mark.parametrize(
+    ("key", "flag", "value", "maximum"),
+    [
+        ("interval", "--interval", HUGE_DURATION, "1h"),
+        ("interval", "--interval", "1e999", "1h"),
+        ("deadline", "--deadline", "2h", "1h"),
+        ("deadline", "--deadline", 10**400, "1h"),
+    ],
+)
+def test_too_long_flags_and_variables(key: str, flag: str, value: object, maximum: str) -> None:
+    why = f"is longer than the maximum {maximum}"
+    assert config_error(None, flags={key: value}).startswith(f"flag {flag}: ")
+    assert why in config_error(None, flags={key: value})
+    variable = "GPU_EXPORTER_" + key.upper()
+    message = config_error(None, environ={variable: str(value)})
+    assert message.startswith(f"environment variable {variable}: "), message
+    assert why in message
+
+
+@pytest.mark.parametrize(("value", "ok"), [("1h", True), ("3600", True), ("3600.5", False)])
+def test_interval_maximum_is_one_hour(value: str, ok: bool) -> None:
+    if ok:
+        config = load_config(None, {"interval": value, "deadline": value}, environ={})
+        assert config.interval == config.deadline == 3600
+    else:
+        assert "longer than the maximum 1h" in config_error(None, flags={"interval": value})
+
+
+@pytest.mark.parametrize(
+    ("scenario", "key", "why"),
+    [
+        ("driver:\n  call_latency: 367d\n", "driver.call_latency", "longer than the maximum 366d"),
+        ("gpus:\n  - memory_total: 2PiB\n", "gpus[0].memory_total", "larger than the maximum 1PiB"),
+        ("gpus:\n  - present: {from: 1e999}\n", "gpus[0].present.from", "longer than the maximum"),
+        ("gpus:\n  - memory_used: .inf\n", "gpus[0].memory_used", "finite"),
+    ],
+)
+def test_scenario_durations_and_sizes_have_a_maximum(
+    tmp_path: Path, scenario: str, key: str, why: str
+) -> None:
+    scenario_path = write(tmp_path, scenario, "scenario.yaml")
+    path = write(tmp_path, f"simulate: {scenario_path}\n")
+    message = config_error(path)
+    assert message.startswith(f"{path}:1: simulate: {scenario_path}:"), message
+    assert f": {key}: " in message and why in message, message
+
+
+# -- what a config file may be ---------------------------------------------------------------------
+
+
+def load_in_time(path: str, fifo: Path, timeout: float = 10) -> str:
+    """The ConfigError message of loading ``path``, failing (not hanging) if loading blocks on
+    reading ``fifo``."""
+    outcome: list[BaseException | None] = []
+
+    def load() -> None:
+        try:
+            load_config(path, {}, environ={})
+            outcome.append(None)
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():  # release the blocked reader
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert outcome, f"loading {path} blocked"
+    assert isinstance(outcome[0], ConfigError), outcome
+    return str(outcome[0])
+
+
+def test_a_fifo_is_refused_at_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    assert load_in_time(str(fifo), fifo) == f"{fifo}: is not a regular file (a FIFO)"
+
+
+def test_a_link_to_a_fifo_is_refused_and_a_link_to_a_file_is_followed(tmp_path: Path) -> None:
+    fifo, link = tmp_path / "fifo", tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    link.symlink_to(fifo)
+    assert load_in_time(str(link), fifo) == f"{link}: is not a regular file (a FIFO)"
+    link.unlink()
+    link.symlink_to(write(tmp_path, "interval: 2s\n", "real.yaml"))
+    assert load_config(str(link), {}, environ={}).interval == 2.0
+
+
+def test_a_device_is_refused() -> None:
+    # /dev/zero too, in test_fuzz.py, as a real command whose memory is limited
+    assert config_error("/dev/null") == "/dev/null: is not a regular file (a character device)"
+
+
+def test_a_directory_is_refused_as_such(tmp_path: Path) -> None:
+    assert config_error(str(tmp_path)) == f"{tmp_path}: is not a regular file (a directory)"
+
+
+@pytest.mark.parametrize("size", [2 * 1024 * 1024, 1024 * 1024 + 1])
+def test_a_file_over_one_mib_is_refused(tmp_path: Path, size: int) -> None:
+    path = tmp_path / "big.yaml"
+    path.write_bytes(b"# " + b"x" * (size - 3) + b"\n")
+    assert config_error(str(path)) == f"{path}: is larger than 1 MiB"
+
+
+def test_a_file_of_one_mib_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "full.yaml"
+    head = b"interval: 3s\n"
+    path.write_bytes(head + b"#" * (1024 * 1024 - len(head) - 1) + b"\n")
+    assert load_config(str(path), {}, environ={}).interval == 3.0
+
+
+def test_a_scenario_fifo_is_refused_at_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "scenario.yaml"
+    os.mkfifo(fifo)
+    path = write(tmp_path, f"simulate: {fifo}\n")
+    message = load_in_time(path, fifo)
+    assert message == f"{path}:1: simulate: {fifo}: is not a regular file (a FIFO)"

@@ -15,6 +15,8 @@ import copy
 import dataclasses
 import datetime
 import math
+import os
+import resource
 import signal
 import subprocess
 import time
@@ -27,8 +29,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from exporter.config import LOG_LEVELS, SETTINGS, Config, load_config
+from exporter.config import LOG_LEVELS, MAX_INTERVAL, MIN_INTERVAL, SETTINGS, Config, load_config
 from exporter.simulate import FIELD_FUNCTIONS, load_scenario
+from exporter.units import MAX_DURATION, MAX_SIZE
 from exporter.yamlconf import MAX_DEPTH, ConfigError
 from tests.agent import exporter_cli as _run
 from tests.agent import free_port, healthz_until, http_get, serve, stderr_of
@@ -62,7 +65,9 @@ def _finite(value: Any, where: str = "") -> None:
 
 def _valid_config(config: Config) -> None:
     assert 1 <= config.listen.port <= 65535
-    assert config.interval >= 0.01 and config.deadline >= 0.01
+    assert MIN_INTERVAL <= config.interval <= MAX_INTERVAL
+    assert MIN_INTERVAL <= config.deadline <= MAX_INTERVAL
+    _bounded(config)
     assert config.log_level in LOG_LEVELS
     assert 1 <= config.history <= 100_000
     for name, action in config.actions.actions.items():
@@ -73,6 +78,18 @@ def _valid_config(config: Config) -> None:
         assert policy.min_free_memory is None or policy.min_free_memory >= 0
         assert policy.max_utilization is None or 0 <= policy.max_utilization <= 1
     _finite(config)
+
+
+def _bounded(config: Config) -> None:
+    """Every duration and size of the actions is within the validators' maximum."""
+    actions = config.actions.actions
+    reaper, thermal = actions["zombie_reaper"].options, actions["thermal"].options
+    durations = [a.every for a in actions.values() if a.every is not None]
+    durations += [reaper.min_age, reaper.grace_period, reaper.kill_timeout, thermal.for_seconds]
+    assert all(0 <= seconds <= MAX_DURATION for seconds in durations), durations
+    sizes = [reaper.leaked_min_memory]
+    sizes += [p.min_free_memory or 0 for p in actions["recommend"].options.policies.values()]
+    assert all(0 <= size <= MAX_SIZE for size in sizes), sizes
 
 
 def _error_is_clear(exc: ConfigError, path: str) -> None:
@@ -131,6 +148,10 @@ WORDS = [
     "8GiBs",
     "-1GiB",
     "\u00b2",
+    "99999999999999999999999999999d",
+    "367d",
+    "61m",
+    "2PiB",
     "\u0661\u0662",
     "0x10",
     "1_000",
@@ -549,6 +570,12 @@ HOSTILE_FILES: dict[str, bytes] = {
     "tabs": b"actions:\n\tthermal: {}\n",
     "directive": b"%YAML 9.9\n---\ninterval: 1s\n",
     "unterminated": b"interval: '1s\n",
+    "an every past its maximum": (
+        b"actions:\n  zombie_reaper:\n    every: 99999999999999999999999999999d\n"
+    ),
+    "an interval past its maximum": b"interval: 99999999999999999999999999999d\n",
+    "a size past its maximum": b"actions:\n  zombie_reaper: {leaked_min_memory: 2PiB}\n",
+    "an infinite duration": b"actions:\n  thermal: {for: .inf}\n",
 }
 
 
@@ -574,6 +601,11 @@ def test_hostile_file(target: Path, name: str) -> None:
         ("key with a newline", "'inter\\nval'"),
         ("NUL byte", "#x0000"),
         ("non-UTF-8", "cannot read"),
+        ("an every past its maximum", ":3: actions.zombie_reaper.every: 9999"),
+        ("an every past its maximum", "d is longer than the maximum 366d"),
+        ("an interval past its maximum", "is longer than the maximum 1h"),
+        ("a size past its maximum", "2PiB is larger than the maximum 1PiB"),
+        ("an infinite duration", "expected a finite duration"),
     ],
 )
 def test_hostile_file_messages(target: Path, name: str, needle: str) -> None:
@@ -600,6 +632,8 @@ COMMAND_CASES = [
     "non-UTF-8",
     "deep sequence",
     "NUL byte",
+    "an every past its maximum",
+    "an interval past its maximum",
 ]
 
 
@@ -735,3 +769,90 @@ def test_plain_aliases_still_work(target: Path) -> None:
     assert config is not None
     policies = config.actions.actions["recommend"].options.policies
     assert policies["training"].weights.free_memory == 2 == policies["default"].weights.free_memory
+
+
+# -- what is not a small regular file --------------------------------------------------------------
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (2 * 1024**3, 2 * 1024**3))
+
+
+def _fifo(path: Path) -> str:
+    os.mkfifo(path)
+    return str(path)
+
+
+def _link_to_fifo(path: Path) -> str:
+    path.symlink_to(_fifo(path.with_suffix(".fifo")))
+    return str(path)
+
+
+def _big(path: Path) -> str:
+    path.write_bytes(b"interval: 1s\n" + b"#" * (2 * 1024 * 1024) + b"\n")
+    return str(path)
+
+
+#: How each file is made at a path, and why it is refused.
+NOT_SMALL_REGULAR_FILES: dict[str, tuple[Callable[[Path], str], str]] = {
+    "a FIFO": (_fifo, "is not a regular file (a FIFO)"),
+    "a link to a FIFO": (_link_to_fifo, "is not a regular file (a FIFO)"),
+    "/dev/zero": (lambda _: "/dev/zero", "is not a regular file (a character device)"),
+    "a 2 MiB file": (_big, "is larger than 1 MiB"),
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_SMALL_REGULAR_FILES))
+def test_real_command_refuses_what_is_not_a_small_regular_file(tmp_path: Path, name: str) -> None:
+    make, why = NOT_SMALL_REGULAR_FILES[name]
+    path = make(tmp_path / "config.yaml")
+    listen = f"127.0.0.1:{free_port()}"
+    for argv in (
+        ("check-config", path),
+        ("serve", "--config", path, "--simulate", "--listen", listen),
+        ("serve", "--simulate", path, "--listen", listen),
+    ):
+        # A blocked read is a TimeoutExpired, and reading /dev/zero a MemoryError: no hang, and
+        # no machine out of memory, when the refusal is gone.
+        result = _run(*argv, timeout=20, preexec_fn=_limit_memory)
+        _usage_error(result, path)
+        assert why in result.stderr, result.stderr
+
+
+def test_reload_of_a_fifo_a_huge_file_or_a_bound_past_keeps_serving(
+    agent: tuple[subprocess.Popen[str], int, Path],
+) -> None:
+    """The running config stays, samples go on, and SIGTERM still ends the agent at once."""
+    proc, port, config = agent
+    replacements: list[tuple[Callable[[], object], str]] = [
+        (lambda: _fifo(config), "is not a regular file (a FIFO)"),
+        (lambda: _big(config), "is larger than 1 MiB"),
+        (lambda: config.write_bytes(HOSTILE_FILES["an every past its maximum"]), "366d"),
+        (lambda: config.write_bytes(HOSTILE_FILES["an interval past its maximum"]), "1h"),
+    ]
+    for count, (replace, why) in enumerate(replacements, 1):
+        config.unlink()
+        replace()
+        proc.send_signal(signal.SIGHUP)
+
+        def rejected(count: int = count) -> bool:
+            return stderr_of(proc).count("config reload rejected") == count
+
+        _until(rejected, proc, f"rejected {why}")
+        last = [line for line in stderr_of(proc).splitlines() if "reload rejected" in line][-1]
+        assert str(config) in last and why in last, last
+        assert _state(port) == (0.2, 0.0)
+    taken = _samples_taken(port)
+    _until(lambda: _samples_taken(port) >= taken + 2, proc, "sampled after the reloads")
+    assert healthz_until(proc, port) == 200
+    sent = time.monotonic()
+    proc.terminate()
+    assert proc.wait(timeout=5) == 0, stderr_of(proc)
+    assert time.monotonic() - sent < 3
+    assert "Traceback" not in stderr_of(proc)
+
+
+def _samples_taken(port: int) -> float:
+    status, body = http_get(f"http://127.0.0.1:{port}/metrics")
+    assert status == 200
+    return one(samples(body.encode()), "gpu_exporter_samples_total")

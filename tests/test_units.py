@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from exporter.units import format_bytes, parse_duration, parse_size
+from exporter.units import (
+    MAX_DURATION,
+    MAX_SIZE,
+    format_bytes,
+    format_duration,
+    format_size,
+    parse_duration,
+    parse_size,
+)
 
 
 @pytest.mark.parametrize(
@@ -81,6 +91,104 @@ def test_parse_duration_huge_is_a_value_error(huge: object) -> None:
     # float(10**400) raises OverflowError: it must come out as the ValueError validators catch.
     with pytest.raises(ValueError):
         parse_duration(huge)
+
+
+# -- upper bounds ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["366d", "365d24h", "8784h", 366 * 86400, 366 * 86400.0])
+def test_parse_duration_accepts_the_maximum(text: object) -> None:
+    assert parse_duration(text) == MAX_DURATION == 366 * 86400
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("367d", "367d"),
+        ("366d1us", "366d1us"),
+        ("99999999999999999999999999999d", "99999999999999999999999999999d"),
+        ("200d200d", "200d200d"),
+        (99999999999999999999999999999, "99999999999999999999999999999"),
+        (1e300, "1e+300"),
+        ("1e999", "1e999"),  # too large for a float: a huge number, not an infinity
+        (10**400, "1" + "0" * 36 + "..."),
+        ("1" + "0" * 305 + "d", "1" + "0" * 36 + "..."),
+    ],
+)
+def test_parse_duration_rejects_longer_than_the_maximum(text: object, shown: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_duration(text)
+    assert str(info.value) == f"{shown} is longer than the maximum 366d"
+
+
+def test_parse_duration_takes_a_smaller_maximum() -> None:
+    assert parse_duration("1h", 3600) == 3600
+    with pytest.raises(ValueError, match=r"^61m is longer than the maximum 1h$"):
+        parse_duration("61m", 3600)
+
+
+@pytest.mark.parametrize("bad", ["nan", "NaN", "inf", "-inf", "Infinity", math.nan, math.inf])
+def test_parse_duration_rejects_non_finite(bad: object) -> None:
+    with pytest.raises(ValueError, match="expected a finite duration"):
+        parse_duration(bad)
+
+
+def test_parse_duration_negative_zero_is_zero() -> None:
+    assert math.copysign(1, parse_duration("-0.0")) == 1
+
+
+@pytest.mark.parametrize("text", ["1PiB", "1024TiB", "1.0PiB", MAX_SIZE, float(MAX_SIZE)])
+def test_parse_size_accepts_the_maximum(text: object) -> None:
+    assert parse_size(text) == MAX_SIZE == 1024**5
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("2PiB", "2PiB"),
+        ("1025TiB", "1025TiB"),
+        ("2PB", "2PB"),  # 2 * 1000**5 bytes
+        (MAX_SIZE + 1, str(MAX_SIZE + 1)),
+        ("99999999999999999999999999999GiB", "99999999999999999999999999999GiB"),
+        (10**400, "1" + "0" * 36 + "..."),
+        ("1" + "0" * 300 + "TiB", "1" + "0" * 36 + "..."),
+    ],
+)
+def test_parse_size_rejects_larger_than_the_maximum(text: object, shown: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_size(text)
+    assert str(info.value) == f"{shown} is larger than the maximum 1PiB"
+
+
+def test_parse_size_takes_a_smaller_maximum() -> None:
+    with pytest.raises(ValueError, match=r"^2GiB is larger than the maximum 1GiB$"):
+        parse_size("2GiB", 1024**3)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_parse_size_rejects_non_finite(bad: float) -> None:
+    with pytest.raises(ValueError, match="expected a finite size"):
+        parse_size(bad)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(MAX_DURATION, "366d"), (3600, "1h"), (90, "90s"), (0.01, "10ms"), (1.5, "1500ms")],
+)
+def test_format_duration(seconds: float, text: str) -> None:
+    assert format_duration(seconds) == text
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    ("size", "text"), [(MAX_SIZE, "1PiB"), (1024**3, "1GiB"), (1536, "1536B"), (0, "0B")]
+)
+def test_format_size(size: int, text: str) -> None:
+    assert format_size(size) == text
+    assert parse_size(text) == size
+
+
+# -- sizes ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
