@@ -42,6 +42,16 @@ class ProcessInfo:
     pod_uid: str
 
 
+@dataclass(frozen=True)
+class Credentials:
+    """Who a process runs as and what it runs: read only when the reaper means to act on it."""
+
+    #: real, effective, saved and filesystem uid (``Uid:`` in ``status``)
+    uids: tuple[int, ...]
+    #: the file name of its executable (``exe``), "" when it cannot be read
+    exe: str
+
+
 def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", "backslashreplace")
 
@@ -132,6 +142,65 @@ class ProcFs:
         finally:
             os.close(dirfd)
 
+    def credentials(self, pid: int, start_ticks: int) -> Credentials | None:
+        """The uids and executable of ``pid`` if it is still the process that started at
+        ``start_ticks``; None when it is gone, reused or its ``status`` cannot be read."""
+        try:
+            dirfd = os.open(f"{self.root}/{pid}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            stat = self._read(dirfd, "stat")
+            status = self._read(dirfd, "status")
+            if stat is None or status is None or _start_ticks(stat) != start_ticks:
+                return None
+            uids = next(
+                (
+                    tuple(int(part) for part in line.split()[1:])
+                    for line in status.splitlines()
+                    if line.startswith(b"Uid:")
+                ),
+                (),
+            )
+            try:
+                exe = os.readlink("exe", dir_fd=dirfd)
+            except OSError:  # a kernel thread, or not ours to read
+                exe = ""
+            name = os.path.basename(exe.removesuffix(" (deleted)"))
+            return Credentials(uids, name) if uids else None
+        except ValueError:
+            return None
+        finally:
+            os.close(dirfd)
+
+    def hides_processes(self) -> bool:
+        """True when this procfs is mounted with ``hidepid``: a process missing from it may
+        exist all the same. Read from this process's mount table; unknown counts as hiding."""
+        try:
+            with open("/proc/self/mountinfo", "rb") as handle:
+                table = handle.read(_MAX_FILE_BYTES)
+        except OSError:
+            return True
+        target = os.fsencode(os.path.realpath(self.root))
+        hides: bool | None = None
+        for line in table.splitlines():  # the last mount on a path is the one in effect
+            fields = line.split(b" - ", 1)
+            head = fields[0].split()
+            if len(head) < 5 or len(fields) < 2 or head[4] != target:
+                continue
+            options = fields[1].split()[-1].split(b",") if fields[1].split() else []
+            values = [o.split(b"=", 1)[1] for o in options if o.startswith(b"hidepid=")]
+            hides = bool(values) and values[-1] not in (b"0", b"off")
+        return True if hides is None else hides
+
+    def in_own_pid_namespace(self) -> bool:
+        """True when this procfs shows the agent's own PID namespace, so a PID read here is the
+        PID a signal reaches (``<root>/self`` names this process by its own PID)."""
+        try:
+            return os.readlink(f"{self.root}/self") == str(os.getpid())
+        except OSError:
+            return False
+
     def _process(self, pid: int, dirfd: int) -> ProcessInfo | None:
         stat = self._read(dirfd, "stat")
         if stat is None:
@@ -178,6 +247,14 @@ class ProcFs:
             container_id=container,
             pod_uid=pod,
         )
+
+
+def _start_ticks(stat: bytes) -> int:
+    """Field 22 of ``stat`` (start time in clock ticks since boot); ValueError when malformed."""
+    try:
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except IndexError:
+        raise ValueError("short stat") from None
 
 
 def _process_name(comm: str, cmdline: tuple[str, ...]) -> str:

@@ -224,7 +224,8 @@ class SimProcess:
     window: Window
     where: str = ""  # file:line, for errors while starting it
     holds_device: bool = True  # a spawned process keeps its GPU's device node open
-    orphan: bool = False  # spawned by a job leader that exits at once
+    orphan: bool = False  # spawned by a job leader that holds the GPU, then exits
+    orphan_after: float = 2.0  # how long that leader lives, seconds
     churn: float = 0.0  # > 0: a new process (a new PID) every ``churn`` seconds
     sm_utilization: Value = Value(0.0)  # its share of the SMs' time, 0-1
 
@@ -339,6 +340,7 @@ def _process(section: Section) -> SimProcess:
         where=section.doc.where(section.keys),
         holds_device=section.get("holds_device", boolean, True),
         orphan=section.get("orphan", boolean, False),
+        orphan_after=section.get("orphan_after", parse_duration, 2.0),
         churn=section.get("churn", parse_duration, 0.0),
         sm_utilization=section.get("sm_utilization", _RATIO_VALUE, Value(0.0)),
     )
@@ -346,6 +348,8 @@ def _process(section: Section) -> SimProcess:
         raise section.error(None, "give exactly one of pid and spawn")
     if process.orphan and not process.spawn:
         raise section.error("orphan", "only a spawned process can be made an orphan")
+    if section.has("orphan_after") and not process.orphan:
+        raise section.error("orphan_after", "only with orphan: true")
     if section.has("churn"):
         if process.churn <= 0:
             raise section.error("churn", "must be longer than 0s")
@@ -584,15 +588,27 @@ def _calls_library(obj: Any) -> bool:
     )
 
 
-#: Starts the job's worker in its own (the leader's) session and process group, then exits: the
-#: worker is left an orphan, as when a launcher dies and leaves a DataLoader worker behind.
+#: A job leader in its own session and process group: it holds the GPU's device node (NVML lists
+#: it, as a CUDA process), starts the worker, and exits after ``orphan_after`` seconds. The worker
+#: is left an orphan, as when a training process dies and leaves a DataLoader worker behind.
 _ORPHAN_LEADER = (
-    "import subprocess, sys\n"
-    "held = tuple(int(fd) for fd in sys.argv[1].split(',') if fd)\n"
-    "worker = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL,"
+    "import subprocess, sys, time\n"
+    "held = tuple(int(fd) for fd in sys.argv[2].split(',') if fd)\n"
+    "worker = subprocess.Popen(sys.argv[3:], stdin=subprocess.DEVNULL,"
     " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=held)\n"
     "print(worker.pid, flush=True)\n"
+    "time.sleep(float(sys.argv[1]))\n"
 )
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` lives (not exited, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            state = handle.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
 
 
 def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
@@ -614,6 +630,8 @@ class SimulatedDriver:
     _pids: dict[tuple[int, int], int] = field(default_factory=dict)
     _energy: dict[int, tuple[float, float]] = field(default_factory=dict)
     _orphans: list[int] = field(default_factory=list)
+    #: (gpu, entry) -> the leader of an orphan's job, listed on the GPU while it lives
+    _leaders: dict[tuple[int, int], subprocess.Popen[bytes]] = field(default_factory=dict)
     _periods: dict[tuple[int, int], int] = field(default_factory=dict)  # churn: period started
     _initialized: bool = False
     #: A folder of empty ``nvidiaN`` files standing in for the device nodes; spawned processes
@@ -690,6 +708,11 @@ class SimulatedDriver:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         self._orphans.clear()
+        for leader in self._leaders.values():
+            with contextlib.suppress(OSError):
+                leader.kill()
+            leader.wait()
+        self._leaders.clear()
         for child in self._children:
             try:
                 child.wait(timeout=2)
@@ -712,7 +735,7 @@ class SimulatedDriver:
                 if proc.spawn:
                     device = os.path.join(self.dev_root, f"nvidia{gpu.minor_number}")
                     key = f"gpus[{g}].processes[{p}].spawn"
-                    self._pids[(g, p)] = self._start(proc, key, device)
+                    self._pids[(g, p)] = self._start(proc, key, device, (g, p))
                 elif proc.pid == "self":
                     self._pids[(g, p)] = os.getpid()
                 elif proc.pid == "parent":
@@ -720,7 +743,7 @@ class SimulatedDriver:
                 else:
                     self._pids[(g, p)] = int(proc.pid)  # type: ignore[arg-type]
 
-    def _start(self, proc: SimProcess, key: str, device: str) -> int:
+    def _start(self, proc: SimProcess, key: str, device: str, entry: tuple[int, int]) -> int:
         argv = list(proc.spawn)
         if argv[0] in ("python", "python3"):  # the interpreter running the agent
             argv[0] = sys.executable
@@ -734,15 +757,19 @@ class SimulatedDriver:
         held = (fd,) if fd is not None else ()
         try:
             if proc.orphan:
+                lives = str(proc.orphan_after)
                 leader = subprocess.Popen(
-                    [sys.executable, "-c", _ORPHAN_LEADER, ",".join(map(str, held)), *argv],
+                    [sys.executable, "-c", _ORPHAN_LEADER, lives, ",".join(map(str, held)), *argv],
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL,
                     start_new_session=True,
                     pass_fds=held,
                 )
-                pid = int(leader.communicate()[0])
+                assert leader.stdout is not None
+                with leader.stdout:
+                    pid = int(leader.stdout.readline())
+                self._leaders[entry] = leader
                 self._orphans.append(pid)
                 return pid
             child = subprocess.Popen(
@@ -984,8 +1011,12 @@ class SimulatedDriver:
         for p, proc in enumerate(h.gpu.processes):
             if proc.window.holds(t) and (kind is None or proc.type == kind):
                 pid = self._churn(h, p, proc, t) if proc.churn else self._pids[(h.index, p)]
-                if pid is not None:
-                    yield pid, proc
+                leader = self._leaders.get((h.index, p))
+                if leader is not None and leader.poll() is None:  # poll() reaps it once it ends
+                    yield leader.pid, proc
+                if pid is None or (proc.spawn and not proc.churn and not _running(pid)):
+                    continue  # a spawned process that ended: the driver frees it, as a real one
+                yield pid, proc
 
     def _utilization_samples(self, h: _Handle, since: int) -> list[Any]:
         """What ``nvmlDeviceGetProcessUtilization(h, since)`` answers: a sample for each listed
@@ -1037,7 +1068,7 @@ class SimulatedDriver:
         self._pids.pop(key, None)
         device = os.path.join(self.dev_root, f"nvidia{h.gpu.minor_number}")
         try:
-            pid = self._start(proc, f"gpus[{h.index}].processes[{p}].spawn", device)
+            pid = self._start(proc, f"gpus[{h.index}].processes[{p}].spawn", device, key)
         except OSError:  # no fork now (EAGAIN, ENOMEM): list none until it can start
             return None
         self._pids[key], self._periods[key] = pid, period

@@ -64,6 +64,16 @@ def collector(clock: FakeClock) -> Iterator[Collector]:
 
 
 @pytest.fixture
+def dev(tmp_path) -> str:
+    """A folder of stand-ins for the device nodes ``nvidia0`` and ``nvidia1`` (``paths.dev``)."""
+    root = tmp_path / "dev"
+    root.mkdir()
+    for minor in range(2):
+        (root / f"nvidia{minor}").write_text("")
+    return str(root)
+
+
+@pytest.fixture
 def subreaper() -> Iterator[list[int]]:
     """Orphans of this test become its children; every pid appended is killed and reaped."""
     libc = ctypes.CDLL(None, use_errno=True)

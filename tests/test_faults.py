@@ -46,9 +46,10 @@ from tests.helpers import one, samples, write
 from tests.test_procfs import FakeProc
 from tests.test_reaper import (
     BASE,
+    Job,
     alive,
-    orphan_worker,
     scenario,
+    start_job,
     wait_exited,
 )
 
@@ -753,10 +754,10 @@ def _device(tmp_path: Path) -> str:
     return str(tmp_path / "dev" / "nvidia0")
 
 
-def _engine(simulated, collector, clock, tmp_path: Path, audit: Path, orphan: int) -> ActionEngine:
-    """An engine whose reaper kills (dry_run off), over a GPU that ``orphan`` holds."""
+def _engine(simulated, collector, clock, tmp_path: Path, audit: Path, job: Job) -> ActionEngine:
+    """An engine whose reaper kills (dry_run off), over a GPU that ``job`` holds."""
     dev = tmp_path / "dev"
-    simulated(scenario([f"{{pid: {orphan}, memory: 2GiB}}"]))
+    simulated(scenario(job.listed()))
     config = parse_actions(
         parse_document(
             "actions:\n  zombie_reaper:\n"
@@ -767,7 +768,9 @@ def _engine(simulated, collector, clock, tmp_path: Path, audit: Path, orphan: in
         .section("actions")
     )
     sampler = Sampler(collector, interval=5, deadline=5, monotonic=clock)
-    return ActionEngine(sampler, config, ProcFs(), str(dev), clock=lambda: BASE + clock.now)
+    return ActionEngine(
+        sampler, config, ProcFs(), str(dev), clock=lambda: BASE + clock.now, monotonic=clock
+    )
 
 
 def _run(engine: ActionEngine, clock, seconds: float = 60) -> bool:
@@ -811,9 +814,12 @@ def test_a_reaper_run_that_raises_halfway_leaves_the_audit_log_consistent(
     simulated, collector, clock, tmp_path, subreaper, monkeypatch, step
 ):
     audit = tmp_path / "audit.jsonl"
-    pid = orphan_worker(subreaper, _device(tmp_path))
-    engine = _engine(simulated, collector, clock, tmp_path, audit, pid)
-    assert _run(engine, clock, 0)  # first seen
+    job = start_job(subreaper, _device(tmp_path))
+    pid = job.worker
+    engine = _engine(simulated, collector, clock, tmp_path, audit, job)
+    assert _run(engine, clock, 0)  # the job's leader is seen on the GPU
+    job.end()
+    assert _run(engine, clock, 1)  # and its exit
     pidfds = _pidfds()
     if step == "signal":  # fails after the audit record was written, before the kill
         monkeypatch.setattr(signal, "pidfd_send_signal", lambda *a: 1 / 0)
@@ -957,10 +963,13 @@ def test_a_full_disk_under_the_audit_log_is_reported_and_nothing_is_killed_unrec
     simulated, collector, clock, tmp_path, subreaper, disk, monkeypatch, caplog
 ):
     audit = disk.path / "audit.jsonl"
-    pid = orphan_worker(subreaper, _device(tmp_path))
-    engine = _engine(simulated, collector, clock, tmp_path, audit, pid)
+    job = start_job(subreaper, _device(tmp_path))
+    pid = job.worker
+    engine = _engine(simulated, collector, clock, tmp_path, audit, job)
     sent = _watch_signals(monkeypatch, audit)
-    assert _run(engine, clock, 0)  # first seen: nothing to record yet
+    assert _run(engine, clock, 0)  # the job's leader is seen on the GPU: nothing to record yet
+    job.end()
+    assert _run(engine, clock, 1)  # its exit is seen
     # an earlier record that ends 20 bytes before a page boundary: the next line straddles it
     fd = os.open(audit, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.write(fd, b'{"pad": "' + b"x" * (4096 - 20 - len(b'{"pad": ""}\n')) + b'"}\n')

@@ -37,15 +37,13 @@ from exporter.yamlconf import ConfigError
 from tests.agent import exporter_cli as cli
 from tests.agent import healthz_until, http_get, serve
 from tests.helpers import one, samples, write
-from tests.test_reaper import (  # noqa: F401 (fixtures)
-    BASE,
+from tests.test_reaper import (
     alive,
     audit_lines,
-    dev,
     make_reaper,
-    orphan_worker,
-    run_twice,
+    orphaned,
     scenario,
+    start_job,
     wait_exited,
 )
 
@@ -509,7 +507,7 @@ def test_a_link_in_the_lock_directory_does_not_shield_a_gpus_holders_from_the_re
     simulated,
     collector,
     clock,
-    dev,  # noqa: F811 (test_reaper's fixture)
+    dev,
     tmp_path,
     subreaper,
 ) -> None:
@@ -518,11 +516,11 @@ def test_a_link_in_the_lock_directory_does_not_shield_a_gpus_holders_from_the_re
     locks = tmp_path / "locks"
     locks.mkdir()
     (locks / f"{UUID}.lock").symlink_to(f"{dev}/nvidia0")
-    pid = orphan_worker(subreaper, f"{dev}/nvidia0")
-    simulated(scenario([f"{{pid: {pid}, memory: 2GiB}}"]))
+    job = start_job(subreaper, f"{dev}/nvidia0")
+    simulated(scenario(job.listed()))
     reaper = make_reaper(dev, tmp_path)
     reaper.lock_dir = str(locks)
-    run_twice(reaper, collector, clock)
+    orphaned(reaper, collector, clock, job)
     events = [(e["event"], e.get("class"), e.get("reason")) for e in audit_lines(tmp_path)]
     assert events == [("found", "orphan", None), ("skipped", "orphan", "dry_run")], events
     reaper.close()
@@ -610,16 +608,20 @@ def test_effective_capabilities_are_read_from_proc_status(tmp_path: Path) -> Non
     assert privileges.reaper_warnings(False, None) == []
 
 
-def _foreign_orphan(pids: list[int], device: str, uid: int) -> int:
-    """A process of ``uid`` that holds ``device`` open and whose job leader has exited (the test
-    process is a subreaper: it becomes the parent); its pid."""
+def _foreign_job(pids: list[int], device: str, uid: int) -> tuple[int, int, Callable[[], None]]:
+    """A job whose worker runs as ``uid``: its leader (root) holds ``device`` open, and so does
+    the worker. Returns the leader's and the worker's pids and what ends the leader (the test
+    process is a subreaper: the worker's parent then)."""
     read, write_end = os.pipe()
+    hold_read, hold_write = os.pipe()  # the leader lives until the test closes hold_write
     leader = os.fork()
     if leader == 0:
         code = 1
         try:
             os.close(read)
+            os.close(hold_write)
             os.setsid()
+            held = os.open(device, os.O_RDONLY)
             worker = os.fork()
             if worker == 0:
                 fd = os.open(device, os.O_RDONLY)  # opened as root, held as uid
@@ -629,18 +631,25 @@ def _foreign_orphan(pids: list[int], device: str, uid: int) -> int:
                 os.setuid(uid)
                 os.execvp("sleep", ["sleep", "60"])
             os.write(write_end, f"{worker}\n".encode())
+            os.read(hold_read, 1)  # until the test ends the job
+            os.close(held)
             code = 0
         except BaseException:
             traceback.print_exc()
         finally:
             os._exit(code)
     os.close(write_end)
+    os.close(hold_read)
     with os.fdopen(read) as pipe:
         pid = int(pipe.readline())
-    pids.append(pid)
-    os.waitpid(leader, 0)
-    until(lambda: _holds(pid, device), what="the orphan to hold the device")
-    return pid
+    pids.extend((pid, leader))
+    until(lambda: _holds(pid, device), what="the worker to hold the device")
+
+    def end() -> None:
+        os.close(hold_write)
+        os.waitpid(leader, 0)
+
+    return leader, pid, end
 
 
 def capability(metrics: dict[str, list[Any]], name: str) -> float:
@@ -656,6 +665,12 @@ def _refused(port: int) -> dict[str, list[Any]] | None:
     return metrics if any(s.labels["outcome"] == "error" for s in actions) else None
 
 
+def _reaper_runs(port: int) -> float:
+    metrics = samples(get(port, "/metrics").encode())
+    runs = metrics.get("gpu_exporter_action_runs_total", [])
+    return sum(s.value for s in runs if s.labels["action"] == "zombie_reaper")
+
+
 def _holds(pid: int, device: str) -> bool:
     with contextlib.suppress(OSError):
         return any(
@@ -667,14 +682,13 @@ def _holds(pid: int, device: str) -> bool:
 @needs_root
 def test_an_agent_without_cap_kill_says_so_and_audits_the_refused_signal(
     tmp_path: Path,
-    dev: str,  # noqa: F811 (test_reaper's fixture)
+    dev: str,
     subreaper: list[int],
 ) -> None:
-    pid = _foreign_orphan(subreaper, f"{dev}/nvidia0", NOBODY)
+    leader, pid, end_job = _foreign_job(subreaper, f"{dev}/nvidia0", NOBODY)
+    listed = f"{{pid: {leader}, memory: 1GiB}}, {{pid: {pid}, memory: 1GiB}}"
     scenario_file = write(
-        tmp_path,
-        f"gpus:\n  - minor_number: 0\n    processes: [{{pid: {pid}, memory: 1GiB}}]\n",
-        "orphan.yaml",
+        tmp_path, f"gpus:\n  - minor_number: 0\n    processes: [{listed}]\n", "orphan.yaml"
     )
     audit = tmp_path / "audit.jsonl"
     config = write(
@@ -692,6 +706,8 @@ def test_an_agent_without_cap_kill_says_so_and_audits_the_refused_signal(
     args = ("--simulate", scenario_file, "--dev", dev, "--config", config, "--interval", "0.2")
     without_kill = _drop_bounding(privileges.CAPABILITIES["CAP_KILL"])
     with agent(tmp_path, *args, preexec=without_kill) as (_, port, err):
+        until(lambda: _reaper_runs(port) >= 2, what="the reaper to see the job's leader")
+        end_job()  # the reaper sees it exit: its worker is an orphan on the reaper's evidence
         metrics = until(lambda: _refused(port), what="the refused signal")
         log = err.read_text()
     assert capability(metrics, "CAP_KILL") == 0
@@ -742,18 +758,19 @@ def test_a_refused_sigkill_is_audited_logged_counted_and_not_repeated(
     simulated,
     collector,
     clock,
-    dev,  # noqa: F811 (test_reaper's fixture)
+    dev,
     tmp_path,
     subreaper,
     monkeypatch,
     caplog,
 ) -> None:
-    import exporter.actions.reaper as reaper_module
+    import exporter.actions.reaper.action as reaper_module
 
-    pid = orphan_worker(subreaper, f"{dev}/nvidia0", ignore_term=True)
-    simulated(scenario([f"{{pid: {pid}, memory: 2GiB}}"]))
+    job = start_job(subreaper, f"{dev}/nvidia0", ignore_term=True)
+    pid = job.worker
+    simulated(scenario(job.listed()))
     reaper = make_reaper(dev, tmp_path, dry_run=False, grace_period=0)
-    run_twice(reaper, collector, clock)  # SIGTERM, which it ignores
+    orphaned(reaper, collector, clock, job)  # SIGTERM, which it ignores
     real = reaper_module.signal.pidfd_send_signal
 
     def refuse_sigkill(fd: int, signum: int, *args: Any) -> None:
@@ -765,7 +782,7 @@ def test_a_refused_sigkill_is_audited_logged_counted_and_not_repeated(
     with caplog.at_level(logging.ERROR):
         for step in (1, 60, 60):  # SIGKILL refused; then past min_age, seen as an orphan again
             clock.advance(step)
-            reaper.run([collector.sample()], BASE + clock.now)
+            reaper.run([collector.sample()], clock.now)
     events = [(e["event"], e.get("signal")) for e in audit_lines(tmp_path)]
     assert events[:4] == [
         ("found", None),

@@ -112,17 +112,27 @@ def test_spawned_processes_hold_their_device_and_orphans_lose_their_job():
             "gpus:\n"
             "  - processes:\n"
             '      - {spawn: [python3, -c, "import time; time.sleep(60)"]}\n'
-            '      - {spawn: [python3, -c, "import time; time.sleep(60)"], orphan: true}\n'
+            '      - {spawn: [python3, -c, "import time; time.sleep(60)"], orphan: true,'
+            " orphan_after: 300ms}\n"
             '      - {spawn: [python3, -c, "import time; time.sleep(60)"], holds_device: false}\n'
         )
     ).install()
     try:
         held, orphan, free = (driver._pids[(0, i)] for i in range(3))
+        procfs = ProcFs()
+        leader = procfs.process(orphan).pgid  # the job's leader holds the GPU while it lives
         device = file_identity(f"{driver.dev_root}/nvidia0")
         holders, unreadable = scan_fd_holders("/proc", {device: "gpu0"})
-        assert holders["gpu0"] == {held, orphan}
+        assert holders["gpu0"] == {held, orphan, leader}
         assert not {held, orphan, free} & unreadable
-        procfs = ProcFs()
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        listed = [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
+        assert sorted(listed) == sorted([held, leader, orphan, free])
+        deadline = time.monotonic() + 5
+        while leader in [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]:
+            assert time.monotonic() < deadline, "the job leader did not exit"
+            time.sleep(0.02)
         info = procfs.process(orphan)
         assert info.cmdline[:2] == (info.cmdline[0], "-c")  # the program itself, not the shell
         assert procfs.process(info.pgid) is None and procfs.process(info.sid) is None

@@ -457,3 +457,23 @@ def test_parse_thermal_errors_name_file_line_and_key(body, line, key):
     assert f"c.yaml:{line}" in str(caught.value)
     assert caught.value.key == key
     assert key in str(caught.value)
+
+
+def test_for_is_measured_on_the_monotonic_clock_not_the_wall_clock():
+    """A wall-clock step (NTP, a resumed VM) between Snapshots never makes ``for`` pass early."""
+    action = ThermalAction(ThermalConfig(), logging.getLogger(LOGGER))
+    history = []
+    for seq, (wall, mono) in enumerate([(0, 0), (3600, 1), (7200, 2)], start=1):
+        history.append(
+            Snapshot(
+                seq=seq,
+                timestamp=T0 + wall,  # the wall clock jumps an hour at each sample
+                monotonic=mono,
+                duration_seconds=0.01,
+                nvml_up=True,
+                host=HostInfo("host"),
+                gpus=(gpu(0, 90.0),),
+            )
+        )
+        action.run(history, now=mono)
+    assert action.levels() == {"GPU-00000000": 0}  # hot for 2 s of 30: not yet

@@ -24,7 +24,8 @@ class Action(abc.ABC):
 
     @abc.abstractmethod
     def run(self, snapshots: Sequence[Snapshot], now: float) -> None:
-        """Evaluate the Snapshots (oldest first) at wall-clock time ``now``; may raise."""
+        """Evaluate the Snapshots (oldest first) at ``now`` on the monotonic clock (the clock of
+        ``Snapshot.monotonic``: durations never follow a wall-clock step); may raise."""
 
     @abc.abstractmethod
     def families(self) -> list[Metric]:

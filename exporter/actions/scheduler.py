@@ -130,12 +130,14 @@ class ActionEngine:
         dev_root: str,
         *,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         lock_dir: str | None = None,
     ) -> None:
         self.sampler = sampler
         self.procfs = procfs
         self.dev_root = dev_root
-        self._clock = clock
+        self._clock = clock  # wall time, only for timestamps people read
+        self._monotonic = monotonic  # what actions measure durations with
         self.lock_dir = lock_dir
         self._stats = {name: _Stats() for name in _PARSERS}
         self._locks = {name: threading.Lock() for name in _PARSERS}
@@ -168,7 +170,7 @@ class ActionEngine:
                     if self.config.actions[name].options == settings.options:
                         continue  # unchanged: keep its state (timers, levels)
                 if isinstance(current, ZombieReaper):
-                    current.close()
+                    current.close("disabled")
                 self._actions.pop(name, None)
                 if settings.enabled:
                     self._actions[name] = self._make(name, settings.options)
@@ -242,7 +244,7 @@ class ActionEngine:
             started = time.monotonic()
             stats.runs += 1
             try:
-                action.run(self.sampler.history(), self._clock())
+                action.run(self.sampler.history(), self._monotonic())
                 ok = True
             except Exception:
                 ok = False

@@ -13,7 +13,8 @@ Rules (the contract the docs quote):
   Snapshot whose utilization is within ``outlier_utilization_band`` of its own (at least 2 such
   peers), continuously for ``for``: ``gpu_thermal_outlier{gpu, uuid}`` 1, else 0.
 - "Stays for ``for``": the condition held in every processed Snapshot from some Snapshot S up to
-  the current one, and ``current.timestamp - S.timestamp >= for``. Time is the Snapshots' own.
+  the current one, and ``current.monotonic - S.monotonic >= for``. Time is the Snapshots' own
+  monotonic clock, so a wall-clock step (NTP, a resumed VM) never shortens or skips ``for``.
 - An unknown temperature (None, GPU down, GPU missing) gives no level: both series are absent and
   the GPU's timers reset; it starts again from level 0 when its temperature is known again.
 - Unknown clock-event reasons count as no thermal reason active.
@@ -88,7 +89,7 @@ class _GpuState:
     index: int
     level: int = 0
     outlier: bool = False
-    #: condition name -> timestamp of the first Snapshot of its current unbroken run.
+    #: condition name -> monotonic time of the first Snapshot of its current unbroken run.
     since: dict[str, float] = field(default_factory=dict)
 
 
@@ -97,7 +98,7 @@ class _Reading:
     """One GPU in one Snapshot, with everything the rules compare."""
 
     gpu: Gpu
-    timestamp: float
+    monotonic: float  # the Snapshot's monotonic clock: what ``for`` is measured on
     temperature: float
     warning: float
     critical: float
@@ -211,7 +212,7 @@ class ThermalAction(Action):
         warning, critical = self.thresholds(gpu)
         return _Reading(
             gpu=gpu,
-            timestamp=snapshot.timestamp,
+            monotonic=snapshot.monotonic,
             temperature=float(gpu.temperature_celsius or 0.0),  # known: see _known
             warning=warning,
             critical=critical,
@@ -238,13 +239,13 @@ class ThermalAction(Action):
         state.index = r.gpu.index
         for condition, holds in self._conditions(r).items():
             if holds:
-                state.since.setdefault(condition, r.timestamp)
+                state.since.setdefault(condition, r.monotonic)
             else:
                 state.since.pop(condition, None)
         held = {
             condition
             for condition, since in state.since.items()
-            if r.timestamp - since >= self.config.for_seconds
+            if r.monotonic - since >= self.config.for_seconds
         }
         level = _next_level(state.level, held)
         if level != state.level:

@@ -1,20 +1,31 @@
-"""Zombie reaper: find processes that hold GPU memory for a job that is gone; signal them safely.
+"""The zombie reaper action: sort GPU holders into classes; end orphans safely.
 
 Holders of a GPU are the processes with an open descriptor on its device node
 (``<paths.dev>/nvidiaN``, N = the GPU's minor number), found by scanning ``<paths.proc>/*/fd``,
 together with NVML's process list in the latest Snapshot. Each is put in one class:
 
-- ``orphan``: a live holder whose process-group leader and session leader both no longer exist,
-  seen so for at least ``min_age`` and in at least two Snapshots. The only class ever signalled.
+- ``orphan``: a live holder whose job has ended on the agent's own evidence (see
+  :mod:`exporter.actions.reaper.evidence`: its parent or group leader was seen on NVML's list of
+  the same GPU and has exited since), that has not used the GPU since (where the driver reports
+  per-process utilization), for at least ``min_age`` and in a later Snapshot. The only class
+  that may be signalled (``kill_classes``).
 - ``defunct``: state Z (its parent must reap it). ``uninterruptible``: state D.
 - ``unverifiable``: NVML lists a PID that is not visible here, or that holds no descriptor on
-  that GPU (its PID number may have been reused).
+  that GPU (its PID number may have been reused); or the agent cannot fully see the process
+  (procfs of another PID namespace, its group or session outside the namespace, a hidden
+  parent or group leader under ``hidepid``).
 - ``leaked``: GPU memory in use with no holder at all (a driver-level leak; needs a reset).
+
+A holder with no such evidence (a job that lives, a ``nohup`` job, a daemon, a service) is not
+reported and never signalled.
 
 Signalling (``dry_run: false`` only): ``pidfd_open``, compare the start time with the one seen at
 detection, write the decision to the audit log, SIGTERM through the pidfd; at a later run past
-``grace_period`` SIGKILL; past ``kill_timeout`` after that, report it ``unkillable``. Once it has
-exited, a later Snapshot confirms that NVML no longer lists it on that GPU.
+``grace_period`` SIGKILL; past ``kill_timeout`` after that, report it ``unkillable``. A reload
+that would now refuse the signal (dry run, a protection, ``kill_classes``, a lower
+``max_kills_per_run``, the reaper disabled) cancels a pending SIGKILL. Once it has exited, a
+later Snapshot confirms that NVML no longer lists it on that GPU. Every duration is measured on
+the monotonic clock.
 """
 
 from __future__ import annotations
@@ -23,9 +34,8 @@ import contextlib
 import fnmatch
 import logging
 import os
-import select
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,77 +44,19 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from exporter import privileges
 from exporter.actions.audit import AuditLog
 from exporter.actions.base import Action
+from exporter.actions.reaper.config import CLASSES, ReaperConfig
+from exporter.actions.reaper.evidence import JobEnd, JobWatch, pidfd_exited
 from exporter.launcher.locks import SUFFIX as LOCK_SUFFIX
 from exporter.metrics import GPU_LABELS
-from exporter.procfs import ProcessInfo, ProcFs, file_identity, scan_fd_holders
-from exporter.snapshot import Gpu, Snapshot
-from exporter.validate import boolean, duration, positive_duration, size, string_list, whole
-from exporter.yamlconf import Section
+from exporter.procfs import Credentials, ProcessInfo, ProcFs, file_identity, scan_fd_holders
+from exporter.snapshot import Gpu, GpuProcess, Snapshot
 
 log = logging.getLogger(__name__)
-
-CLASSES = ("orphan", "defunct", "uninterruptible", "unverifiable", "leaked")
-DEFAULT_PROTECT_NAMES = (
-    "nvidia-persistenced",
-    "nv-hostengine",
-    "nvidia-fabricmanager",
-    "nvidia-cuda-mps-control",
-    "nvidia-cuda-mps-server",
-    "Xorg",
-    "Xwayland",
-    "dcgm*",
-)
-
-
-@dataclass(frozen=True)
-class ReaperConfig:
-    """Settings of ``actions.zombie_reaper``."""
-
-    dry_run: bool = True
-    min_age: float = 60.0
-    grace_period: float = 30.0
-    kill_timeout: float = 60.0
-    max_kills_per_run: int = 4
-    protect_names: tuple[str, ...] = DEFAULT_PROTECT_NAMES
-    protect_users: tuple[str, ...] = ("root",)
-    audit_log: str | None = None
-    leaked_min_memory: int = 1024**3
-
-
-def parse_reaper(section: Section) -> ReaperConfig:
-    """The reaper's own keys of ``actions.zombie_reaper`` (not enabled/every/cron)."""
-    default = ReaperConfig()
-
-    def audit_path(raw: Any) -> str | None:
-        if raw in (None, ""):
-            return None
-        path = str(raw)
-        parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
-            raise ValueError(f"directory {parent!r} does not exist")
-        return path
-
-    config = ReaperConfig(
-        dry_run=section.get("dry_run", boolean, default.dry_run),
-        min_age=section.get("min_age", duration, default.min_age),
-        grace_period=section.get("grace_period", duration, default.grace_period),
-        kill_timeout=section.get("kill_timeout", positive_duration, default.kill_timeout),
-        max_kills_per_run=section.get(
-            "max_kills_per_run", whole(0, 1000), default.max_kills_per_run
-        ),
-        protect_names=section.get("protect_names", string_list, default.protect_names),
-        protect_users=section.get("protect_users", string_list, default.protect_users),
-        audit_log=section.get("audit_log", audit_path, default.audit_log),
-        leaked_min_memory=section.get("leaked_min_memory", size, default.leaked_min_memory),
-    )
-    if not config.dry_run and config.audit_log is None:
-        raise section.error("dry_run", "dry_run: false needs audit_log: every signal is recorded")
-    return config
 
 
 @dataclass
 class _Seen:
-    """A suspect seen before: when and in which Snapshot it was first seen so."""
+    """A leak seen before: when and in which Snapshot it was first seen so."""
 
     since: float
     seq: int
@@ -115,12 +67,16 @@ class _Pending:
     """A process being signalled: the pidfd pins it, so a reused PID is never hit."""
 
     pidfd: int
-    pid: int
-    start_ticks: int
+    info: ProcessInfo
+    credentials: Credentials
     gpu: int
     uuid: str
     termed_at: float
     killed_at: float | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.info.pid
 
 
 @dataclass
@@ -150,15 +106,10 @@ def _lock_files(lock_dir: str | None) -> list[str]:
         return []
 
 
-def _job_gone(procfs: ProcFs, info: ProcessInfo) -> bool:
-    """Both the process-group leader and the session leader no longer exist (a reused PID that
-    no longer leads that group or session counts as gone)."""
-
-    def leads(pid: int, group: bool) -> bool:
-        leader = procfs.process(pid)
-        return leader is not None and (leader.pgid if group else leader.sid) == pid
-
-    return not leads(info.pgid, True) and not leads(info.sid, False)
+def _describe(end: JobEnd, activity_known: bool) -> str:
+    job = end.process
+    idle = "no GPU activity since" if activity_known else "GPU activity not reported"
+    return f"its job's process {job.pid} ({end.relation}) held this GPU and has exited; {idle}"
 
 
 class ZombieReaper(Action):
@@ -174,15 +125,18 @@ class ZombieReaper(Action):
         *,
         audit: AuditLog | None = None,
         lock_dir: str | None = None,
+        watch: JobWatch | None = None,
+        exited: Callable[[int], bool] = pidfd_exited,
     ) -> None:
         self.config = config
         self.procfs = procfs
         self.dev_root = dev_root
         self.audit = audit or AuditLog(config.audit_log)
         self.lock_dir = lock_dir
+        self._watch = watch or JobWatch()
+        self._exited = exited  # a seam: whether a signalled process's pidfd says it exited
         self._locked: set[int] = set()  # processes holding a launcher lock: their job is alive
         self._protected_pids = self._self_and_ancestors()
-        self._suspects: dict[tuple[int, int], _Seen] = {}  # (pid, start ticks) -> first seen
         self._leaks: dict[str, _Seen] = {}  # uuid -> first seen leaking
         self._pending: dict[tuple[int, int], _Pending] = {}
         self._confirm: dict[tuple[int, int], tuple[str, int, float]] = {}
@@ -190,17 +144,28 @@ class ZombieReaper(Action):
         self._given_up: dict[tuple[int, int], str] = {}
         self._reported: set[tuple[Any, ...]] = set()
         self._counts: dict[tuple[int, str], dict[str, int]] | None = None
+        self._namespace_warned = False
         self.actions_total: dict[tuple[str, str], int] = {}
         self._caps = privileges.effective()
         self._warn_privileges(None)
 
     def reconfigure(self, config: ReaperConfig) -> None:
-        """New settings; what is being watched or signalled carries on under them."""
+        """New settings; what is being watched carries on under them, and a pending signal
+        that they would refuse is cancelled (and audited so)."""
         if config.audit_log != self.config.audit_log:
             self.audit.close()
             self.audit = AuditLog(config.audit_log)
         before, self.config = self.config, config
         self._warn_privileges(before)
+        for key, pending in sorted(self._pending.items(), key=lambda item: item[1].termed_at):
+            reason = self._refusal(pending.info, pending.credentials, "orphan")
+            if reason:
+                self._cancel(key, reason)
+        waiting = [k for k, p in self._pending.items() if p.killed_at is None]
+        for key in sorted(waiting, key=lambda k: self._pending[k].termed_at)[
+            config.max_kills_per_run :
+        ]:
+            self._cancel(key, "max_kills_per_run")
 
     def _warn_privileges(self, before: ReaperConfig | None) -> None:
         """Log, once, each thing the settings ask for that the capabilities do not allow."""
@@ -212,12 +177,13 @@ class ZombieReaper(Action):
     # -- the run --------------------------------------------------------------------------
 
     def run(self, snapshots: Sequence[Snapshot], now: float) -> None:
+        """One pass over the latest Snapshot; ``now`` is the monotonic clock."""
         if not snapshots:
             return
         latest = snapshots[-1]
         self._progress_pending(now)
         self._confirm_released(latest, now)
-        findings = self._classify(latest, now)
+        findings, considered = self._classify(latest, now)
         counts = {
             (g.index, g.uuid): dict.fromkeys(CLASSES, 0) for g in latest.gpus if g.up and g.uuid
         }
@@ -226,11 +192,14 @@ class ZombieReaper(Action):
             counts[(finding.gpu.index, finding.gpu.uuid)][finding.cls] += 1
             self._report(finding)
         self._counts = counts
-        present = {f.pid for f in findings}
-        self._reported = {key for key in self._reported if key[2] in present}  # (event, uuid, pid…
+        # what was said of a process (or a leak, pid 0) is not said again while it is still
+        # there in any class
+        present = considered | {finding.pid for finding in findings}
+        self._reported = {key for key in self._reported if key[2] in present}
         self._signal_orphans([f for f in findings if f.cls == "orphan" and f.info], now)
 
-    def _classify(self, latest: Snapshot, now: float) -> list[_Finding]:
+    def _classify(self, latest: Snapshot, now: float) -> tuple[list[_Finding], set[int]]:
+        """The findings of this run, and every PID looked at (listed or holding a GPU)."""
         gpus = [g for g in latest.gpus if g.up and g.info is not None]
         wanted = {}
         for gpu in gpus:
@@ -247,43 +216,87 @@ class ZombieReaper(Action):
         # PID 1 (init, or a container's sandbox) never holds a GPU; some sandboxes hide its fds
         complete = not unreadable - {1}
         self._locked = holders.pop(_LOCKS, set())
+        own_namespace = self.procfs.in_own_pid_namespace()
+        if not own_namespace and not self._namespace_warned:
+            self._namespace_warned = True
+            log.warning(
+                "%s shows another PID namespace than the agent's: every GPU process there is "
+                "unverifiable and none is signalled (run the agent in the host's PID namespace)",
+                self.procfs.root,
+            )
+        listed = {g.uuid: {p.pid: p for p in g.processes or ()} for g in gpus}
+        holding = {g.uuid: holders.get(g.uuid, set()) for g in gpus}
+        considered = set().union(*listed.values(), *holding.values())
+        infos = {pid: self.procfs.process(pid) for pid in sorted(considered)}
+        self._observe(infos, listed, latest, now, trusted=own_namespace)
+        hidden = self.procfs.hides_processes()
         findings: list[_Finding] = []
-        seen_suspects: set[tuple[int, int]] = set()
         signalled = {p.pid for p in self._pending.values()}
         ended = {pid for pid, _ in self._confirm}  # exited after our signal: being confirmed
         for gpu in gpus:
-            listed = {p.pid for p in gpu.processes or ()}
-            holding = holders.get(gpu.uuid, set())
-            for pid in sorted(listed | holding):
+            for pid in sorted(listed[gpu.uuid].keys() | holding[gpu.uuid]):
                 if pid in signalled:  # still the orphan being signalled, whatever it looks like
                     findings.append(_Finding(gpu, pid, "orphan", None, "being signalled"))
                     continue
                 if pid in ended:  # NVML may list it a little longer; not a new finding
                     continue
                 finding = self._classify_one(
-                    gpu, pid, pid in listed, pid in holding, pid not in unreadable
+                    gpu,
+                    pid,
+                    infos[pid],
+                    listed[gpu.uuid].get(pid),
+                    pid in holding[gpu.uuid],
+                    pid not in unreadable,
+                    own_namespace=own_namespace,
+                    hidden=hidden,
+                    latest=latest,
+                    now=now,
                 )
-                if finding is None:
-                    continue
-                if finding.cls == "orphan":
-                    key = (pid, finding.info.start_ticks)  # type: ignore[union-attr]
-                    seen_suspects.add(key)
-                    first = self._suspects.setdefault(key, _Seen(now, latest.seq))
-                    if now - first.since < self.config.min_age or first.seq == latest.seq:
-                        continue  # not yet: seen so for min_age and in two Snapshots
-                findings.append(finding)
-            leak = self._leak(gpu, listed, holding, complete, latest, now)
+                if finding is not None:
+                    findings.append(finding)
+            leak = self._leak(gpu, set(listed[gpu.uuid]), holding[gpu.uuid], complete, latest, now)
             if leak is not None:
                 findings.append(leak)
-        self._suspects = {k: v for k, v in self._suspects.items() if k in seen_suspects}
-        return findings
+        return findings, considered
+
+    def _observe(
+        self,
+        infos: dict[int, ProcessInfo | None],
+        listed: dict[str, dict[int, GpuProcess]],
+        latest: Snapshot,
+        now: float,
+        *,
+        trusted: bool,
+    ) -> None:
+        """Feed the evidence: every live GPU process and the GPUs NVML lists it on."""
+        seen = []
+        for pid, info in infos.items():
+            if info is None or info.state == "Z":
+                continue
+            on = {uuid for uuid, processes in listed.items() if pid in processes}
+            seen.append((info, on))
+        self._watch.observe(seen, self._still_same, now, latest.seq, trusted=trusted)
+
+    def _still_same(self, info: ProcessInfo) -> bool:
+        current = self.procfs.process(info.pid)
+        return current is not None and current.start_ticks == info.start_ticks
 
     def _classify_one(
-        self, gpu: Gpu, pid: int, listed: bool, holding: bool, readable: bool
+        self,
+        gpu: Gpu,
+        pid: int,
+        info: ProcessInfo | None,
+        listed: GpuProcess | None,
+        holding: bool,
+        readable: bool,
+        *,
+        own_namespace: bool,
+        hidden: bool,
+        latest: Snapshot,
+        now: float,
     ) -> _Finding | None:
-        info = self.procfs.process(pid)
         if info is None:
-            if listed:
+            if listed is not None and not self._watch.seen_exit(pid):
                 return _Finding(gpu, pid, "unverifiable", None, "listed by NVML, not visible here")
             return None  # a holder that has just exited
         if info.state == "Z":
@@ -295,15 +308,41 @@ class ZombieReaper(Action):
         if not holding:
             why = "holds no descriptor on the GPU" if readable else "descriptors not readable"
             return _Finding(gpu, pid, "unverifiable", info, f"listed by NVML, {why}")
-        if _job_gone(self.procfs, info):
-            return _Finding(
-                gpu,
-                pid,
-                "orphan",
-                info,
-                f"process group {info.pgid} and session {info.sid} leaders are gone",
-            )
-        return None
+        if not own_namespace:
+            why = "in another PID namespace than the agent's"
+            return _Finding(gpu, pid, "unverifiable", info, why)
+        if info.pgid <= 0 or info.sid <= 0 or (info.ppid <= 0 and pid != 1):
+            why = "its parent, process group or session is outside this PID namespace"
+            return _Finding(gpu, pid, "unverifiable", info, why)
+        end = self._watch.job_end(info, gpu.uuid)
+        if end is not None:
+            return self._orphan(gpu, info, end, listed, latest, now)
+        if hidden and not all(self._visible(p) for p in (info.ppid, info.pgid, info.sid)):
+            why = "its parent, group or session leader is hidden (procfs mounted with hidepid)"
+            return _Finding(gpu, pid, "unverifiable", info, why)
+        return None  # a live job, or a detached one: no evidence its job has ended
+
+    def _visible(self, pid: int) -> bool:
+        return self.procfs.process(pid) is not None
+
+    def _orphan(
+        self,
+        gpu: Gpu,
+        info: ProcessInfo,
+        end: JobEnd,
+        listed: GpuProcess | None,
+        latest: Snapshot,
+        now: float,
+    ) -> _Finding | None:
+        """An orphan once ``min_age`` has passed, in a later Snapshot, since its job ended and
+        since it last used the GPU (as the sampler saw it); None until then."""
+        since = end.process.ended_at or now
+        idle = listed.gpu_idle_seconds if listed is not None else None
+        if idle is not None:  # it was last active at the Snapshot's time less its idle time
+            since = max(since, latest.monotonic - idle)
+        if now - since < self.config.min_age or latest.seq <= end.process.ended_seq:
+            return None
+        return _Finding(gpu, info.pid, "orphan", info, _describe(end, idle is not None))
 
     def _leak(
         self,
@@ -331,17 +370,27 @@ class ZombieReaper(Action):
 
     # -- decisions ------------------------------------------------------------------------
 
-    def _protection(self, info: ProcessInfo) -> str:
+    def _refusal(self, info: ProcessInfo, credentials: Credentials | None, cls: str) -> str:
+        """Why the current settings refuse to signal this process; "" when they allow it."""
+        config = self.config
+        if cls not in config.kill_classes:
+            return "kill_classes"
         if info.pid == 1 or info.pid in self._protected_pids:
             return "protected_pid"
-        if any(fnmatch.fnmatchcase(info.name, pattern) for pattern in self.config.protect_names):
+        if credentials is None:
+            return "identity_unknown"
+        names = {info.name, credentials.exe} - {""}
+        if any(fnmatch.fnmatchcase(n, p) for n in names for p in config.protect_names):
             return "protected_name"
-        users = self.config.protect_users
-        if info.user in users or (info.uid is not None and str(info.uid) in users):
-            return "protected_user"
+        for uid in credentials.uids:  # real, effective, saved and filesystem uid
+            if (
+                str(uid) in config.protect_users
+                or self.procfs.user_name(uid) in config.protect_users
+            ):
+                return "protected_user"
         if info.pid in self._locked:
             return "launcher_lock"
-        return ""
+        return "dry_run" if config.dry_run else ""
 
     def _signal_orphans(self, orphans: list[_Finding], now: float) -> None:
         started = 0
@@ -351,18 +400,18 @@ class ZombieReaper(Action):
             key = (info.pid, info.start_ticks)
             if key in self._pending:
                 continue
-            reason = self._given_up.get(key) or self._protection(info)
-            if not reason and self.config.dry_run:
-                reason = "dry_run"
+            credentials = self.procfs.credentials(info.pid, info.start_ticks)
+            reason = self._given_up.get(key) or self._refusal(info, credentials, finding.cls)
             if not reason and started >= self.config.max_kills_per_run:
                 reason = "max_kills_per_run"
             if reason:
                 self._skip(finding, reason)
                 continue
-            if self._terminate(finding, now):
+            assert credentials is not None
+            if self._terminate(finding, credentials, now):
                 started += 1
 
-    def _terminate(self, finding: _Finding, now: float) -> bool:
+    def _terminate(self, finding: _Finding, credentials: Credentials, now: float) -> bool:
         info = finding.info
         assert info is not None
         try:
@@ -403,18 +452,22 @@ class ZombieReaper(Action):
             finding.gpu.index,
         )
         self._pending[(info.pid, info.start_ticks)] = _Pending(
-            pidfd, info.pid, info.start_ticks, finding.gpu.index, finding.gpu.uuid, now
+            pidfd, info, credentials, finding.gpu.index, finding.gpu.uuid, now
         )
         return True
 
     def _progress_pending(self, now: float) -> None:
         for key, pending in list(self._pending.items()):
             event = {"gpu": pending.gpu, "uuid": pending.uuid, "pid": pending.pid}
-            if _exited(pending.pidfd):
+            if self._exited(pending.pidfd):
                 self._write({**event, "event": "exited"})
                 self._count("signal", "exited")
                 self._confirm[key] = (pending.uuid, pending.gpu, now)
             elif pending.killed_at is None and now - pending.termed_at >= self.config.grace_period:
+                reason = self._refusal(pending.info, pending.credentials, "orphan")
+                if reason:  # settings changed without a reconfigure: still never past them
+                    self._cancel(key, reason)
+                    continue
                 if not self._write({**event, "event": "signalling", "signal": "SIGKILL"}):
                     self._count("skip", "audit_failed")
                     continue
@@ -432,6 +485,14 @@ class ZombieReaper(Action):
                         del self._pending[key]
                     continue  # else SIGKILL again at the next run
                 self._count("signal", "sigkill")
+                log.warning(
+                    "sent SIGKILL to orphan pid %d (%s) holding GPU %d: it outlived SIGTERM by "
+                    "%.0fs",
+                    pending.pid,
+                    pending.info.name,
+                    pending.gpu,
+                    now - pending.termed_at,
+                )
                 pending.killed_at = now
                 continue
             elif (
@@ -451,9 +512,37 @@ class ZombieReaper(Action):
             os.close(pending.pidfd)
             del self._pending[key]
 
+    def _cancel(self, key: tuple[int, int], reason: str) -> None:
+        """Call off the SIGKILL still to come for a process that got SIGTERM."""
+        pending = self._pending.get(key)
+        if pending is None or pending.killed_at is not None:
+            return  # SIGKILL is out already: nothing left to call off
+        self._write(
+            {
+                "gpu": pending.gpu,
+                "uuid": pending.uuid,
+                "pid": pending.pid,
+                "event": "cancelled",
+                "signal": "SIGKILL",
+                "reason": reason,
+                "dry_run": self.config.dry_run,
+            }
+        )
+        self._count("cancel", reason)
+        log.warning(
+            "called off the SIGKILL of pid %d (%s) on GPU %d: %s",
+            pending.pid,
+            pending.info.name,
+            pending.gpu,
+            reason,
+        )
+        with contextlib.suppress(OSError):
+            os.close(pending.pidfd)
+        del self._pending[key]
+
     def _confirm_released(self, latest: Snapshot, now: float) -> None:
         for key, (uuid, index, exited_at) in list(self._confirm.items()):
-            if latest.timestamp <= exited_at:
+            if latest.monotonic <= exited_at:
                 continue  # need a Snapshot taken after the exit
             gpu = next((g for g in latest.gpus if g.uuid == uuid and g.up), None)
             event = {"gpu": index, "uuid": uuid, "pid": key[0]}
@@ -570,7 +659,7 @@ class ZombieReaper(Action):
                 zombies.add_metric([str(index), uuid, cls], counts[cls])
         actions = CounterMetricFamily(
             "gpu_exporter_zombie_actions",
-            "Reaper decisions by action (report, skip, signal, confirm) and outcome.",
+            "Reaper decisions by action (report, skip, signal, cancel, confirm) and outcome.",
             labels=["action", "outcome"],
         )
         for (action, outcome), count in sorted(self.actions_total.items()):
@@ -585,17 +674,14 @@ class ZombieReaper(Action):
         found = [actions, caps, audit]
         return [zombies, *found] if self._counts is not None else found
 
-    def close(self) -> None:
-        """Release the pidfds of processes still being watched, and the audit log."""
+    def close(self, reason: str = "agent_stopped") -> None:
+        """Call off every pending SIGKILL (audited with ``reason``: ``disabled`` when the
+        reaper is switched off), release the pidfds and the audit log."""
+        for key in list(self._pending):
+            self._cancel(key, reason)
         for pending in self._pending.values():
             with contextlib.suppress(OSError):
                 os.close(pending.pidfd)
         self._pending.clear()
+        self._watch.close()
         self.audit.close()
-
-
-def _exited(pidfd: int) -> bool:
-    """True once the process behind ``pidfd`` has exited (its pidfd polls readable)."""
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
-    return bool(poller.poll(0))
