@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 from exporter.actions.recommend import Policy, Recommendation, recommend
 from exporter.collect import Collector
-from exporter.launcher.locks import LockError, Reservation, try_lock
+from exporter.launcher.locks import LockDir, LockError, Reservation, try_lock
 from exporter.launcher.visible import visible_uuids
 from exporter.nvml import Nvml
 from exporter.procfs import ProcFs
@@ -78,9 +78,14 @@ class Device:
 
 
 class LocalGpus:
-    """This host's GPUs through NVML (or a simulation), sampled on demand."""
+    """This host's GPUs through NVML (or a simulation), sampled on demand.
 
-    def __init__(self, *, simulate: str | None = None, proc_root: str = "/proc", lock_dir: str):
+    ``lock_dir``: a path (read as it is, for advice) or a LockDir opened once (to lock in).
+    """
+
+    def __init__(
+        self, *, simulate: str | None = None, proc_root: str = "/proc", lock_dir: str | LockDir
+    ):
         self.simulate = simulate
         self.lock_dir = lock_dir
         self.proc_root = proc_root
@@ -92,7 +97,12 @@ class LocalGpus:
             from exporter.simulate import simulate
 
             self._driver = simulate(self.simulate)
-        self._collector = Collector(Nvml(), ProcFs(self.proc_root), lock_dir=self.lock_dir)
+        # The Collector reads locks through held_locks and provision, which take either kind.
+        self._collector = Collector(
+            Nvml(),
+            ProcFs(self.proc_root),
+            lock_dir=self.lock_dir,  # type: ignore[arg-type]
+        )
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -8,7 +8,7 @@
 ``reserve`` is the race-free version of the "probe, pick, export CUDA_VISIBLE_DEVICES" scripts:
 the GPUs are locked before they are checked a last time, and stay locked until the block ends
 (the locks are held by this process, and by the children it forks or starts with the lock
-descriptors passed on).
+descriptors passed on; unlike ``gpu-exporter run``, nothing waits for ``spawn`` workers).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from exporter.actions.recommend import Policy, policy_with
 from exporter.config import load_config
 from exporter.launcher.acquire import Device, LocalGpus, acquire, choose, devices
-from exporter.launcher.locks import default_lock_dir
+from exporter.launcher.locks import default_lock_dir, open_lock_dir
 from exporter.launcher.run import job_environment
 from exporter.units import parse_duration
 
@@ -93,7 +93,10 @@ def reserve(
     """
     policy = policy_for(count, **filters)
     seconds = parse_duration(wait) if wait is not None else None
-    with LocalGpus(simulate=simulate, lock_dir=lock_dir or default_lock_dir()) as gpus:
+    with (
+        open_lock_dir(lock_dir or default_lock_dir()) as opened,  # resolved once
+        LocalGpus(simulate=simulate, lock_dir=opened) as gpus,
+    ):
         reservation, chosen = acquire(
             gpus, policy, visible_env=os.environ.get("CUDA_VISIBLE_DEVICES"), wait=seconds
         )

@@ -31,7 +31,7 @@ from exporter.launcher.acquire import (
     choose,
     explain,
 )
-from exporter.launcher.locks import LockError, default_lock_dir
+from exporter.launcher.locks import LockError, default_lock_dir, open_lock_dir
 from exporter.launcher.run import RESTART_POLICIES, RunOptions, Supervisor, job_environment
 from exporter.units import parse_duration
 
@@ -199,9 +199,10 @@ def cmd_run(args: argparse.Namespace, config: Config) -> int:
     wait = _parse(args.wait, "--wait", parse_duration) if args.wait is not None else None
     max_restarts = _parse(args.max_restarts, "--max-restarts", _non_negative_int)
     policy = _policy(config, args)
-    with LocalGpus(
-        simulate=config.simulate, proc_root=config.proc_root, lock_dir=_lock_dir(config)
-    ) as gpus:
+    with (
+        open_lock_dir(_lock_dir(config)) as lock_dir,  # resolved once: see locks.open_lock_dir
+        LocalGpus(simulate=config.simulate, proc_root=config.proc_root, lock_dir=lock_dir) as gpus,
+    ):
         try:
             reservation, devices = acquire(
                 gpus, policy, visible_env=os.environ.get("CUDA_VISIBLE_DEVICES"), wait=wait

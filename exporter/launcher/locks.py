@@ -1,10 +1,11 @@
 """GPU reservations: an exclusive ``flock`` on one file per GPU UUID in a shared lock directory.
 
-Taking the lock is the commit point. The lock belongs to the open file description, so a job that
-inherits the descriptor keeps the GPU for as long as any of its processes lives, and the kernel
-releases it when the last one exits: there are no stale locks to clean up. Lock files are opened
-without following symlinks and never truncated or written, so a hostile file or link in a shared
-directory cannot make us write anywhere.
+Taking the lock is the commit point. The lock belongs to the open file description: the kernel
+releases it when the last descriptor of it is closed (by ``run`` once its job's last process has
+exited, or by the last process that inherited it), so there are no stale locks to clean up. Lock
+files are opened without following symlinks and never truncated or written, so a hostile file or
+link in a shared directory cannot make us write anywhere. A launcher resolves its lock directory
+once (:func:`open_lock_dir`) and works relative to that open directory from then on.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import errno
 import fcntl
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 #: The shared, system-wide lock directory (sticky and world-writable, like /tmp).
@@ -70,56 +71,220 @@ def _ensure_system_dir() -> bool:
     return True
 
 
-def check_lock_dir(lock_dir: str) -> None:
-    """Refuse a lock directory in which another user could remove or replace our lock files
-    (and so let a second job onto a locked GPU): it must belong to root or to us, and be sticky
-    if others may write to it."""
-    me = os.geteuid()
+#: Symbolic links followed at most while resolving a lock directory (the kernel's limit).
+MAX_LINKS = 40
+
+
+@dataclass(frozen=True)
+class LockDir:
+    """A lock directory resolved and opened once: lock files are opened, and the directory is
+    read, relative to ``fd``, so that repointing a link or renaming a directory on its path
+    afterwards cannot send this process anywhere else."""
+
+    path: str  # as given, for messages
+    fd: int
+
+    def __str__(self) -> str:
+        return self.path
+
+    def show(self, name: str) -> str:
+        """The path of ``name`` in this directory, for messages."""
+        return os.path.join(self.path, name)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+    def __enter__(self) -> LockDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_lock_dir(path: str) -> LockDir:
+    """Resolve ``path`` once and open the directory it names, refusing it when another user could
+    change what it names (and so let a second job onto a locked GPU).
+
+    Every component is walked (trailing slashes and ``.`` included, ``..`` as the kernel takes
+    it): a symbolic link on the way must belong to root or to us, and so must every directory on
+    the way, which must also be sticky if others may write to it. The lock directory itself must
+    pass the same test.
+    """
+    fd, entered = _resolve(path)
     try:
-        link, info = os.lstat(lock_dir), os.stat(lock_dir)
+        for here, info in entered[:-1]:
+            _check_dir(here, info, f"the lock directory {path}")
+        _check_dir(path, entered[-1][1], "")
+        return LockDir(path, _readable(fd))
+    finally:
+        os.close(fd)
+
+
+def check_lock_dir(lock_dir: str) -> None:
+    """Raise LockError when ``lock_dir`` is not safe to lock in (see :func:`open_lock_dir`)."""
+    open_lock_dir(lock_dir).close()
+
+
+def _resolve(path: str) -> tuple[int, list[tuple[str, os.stat_result]]]:
+    """An ``O_PATH`` descriptor of the directory ``path`` names, and every directory entered on
+    the way there (the last one is it), each with its path; links checked as they are met."""
+    if not path or "\0" in path:
+        raise LockError(f"invalid lock directory {path!r}")
+    try:
+        full = path if path.startswith("/") else os.path.join(os.getcwd(), path)
     except OSError as exc:
-        raise LockError(f"cannot use the lock directory {lock_dir}: {exc.strerror}") from None
-    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (0, me):
+        raise LockError(f"cannot use the lock directory {path}: {exc.strerror}") from None
+    pending = full.split("/")
+    fd, here = _enter(None, "/", "/", path), "/"
+    entered = [(here, os.fstat(fd))]
+    links = 0
+    try:
+        while pending:
+            name = pending.pop(0)
+            if name in ("", "."):
+                continue
+            step = os.path.dirname(here) if name == ".." else os.path.join(here, name)
+            target = None if name == ".." else _link_target(fd, name, step, path)
+            if target is None:
+                fd, here = _swap(fd, _enter(fd, name, step, path)), step
+                entered.append((here, os.fstat(fd)))
+                continue
+            links += 1
+            if links > MAX_LINKS:
+                raise LockError(f"cannot use the lock directory {path}: too many symbolic links")
+            pending[:0] = target.split("/")
+            if target.startswith("/"):
+                fd, here = _swap(fd, _enter(None, "/", "/", path)), "/"
+        return fd, entered
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _enter(dir_fd: int | None, name: str, here: str, path: str) -> int:
+    """Open the directory ``name`` (in ``dir_fd``) for lookups only, never through a link."""
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:  # ELOOP: it became a link after it was looked at
+        raise _unusable(path, here, exc) from None
+
+
+def _link_target(dir_fd: int, name: str, here: str, path: str) -> str | None:
+    """Where the link ``name`` points, None when it is not a link; LockError for another user's
+    link, which that user could point elsewhere at any time."""
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISLNK(info.st_mode):
+            return None
+        if info.st_uid not in (0, os.geteuid()):
+            where = "" if here.rstrip("/") == path.rstrip("/") else f" (on the way to {path})"
+            raise LockError(
+                f"{here}{where} is a symbolic link of another user (uid {info.st_uid}), who "
+                "could point it elsewhere; refusing to use it as a lock directory"
+            )
+        return os.readlink(name, dir_fd=dir_fd)
+    except OSError as exc:
+        raise _unusable(path, here, exc) from None
+
+
+def _unusable(path: str, here: str, exc: OSError) -> LockError:
+    """Why the lock directory ``path`` cannot be used: ``exc`` met at ``here`` on the way."""
+    where = "" if here.rstrip("/") == path.rstrip("/") else f"{here}: "
+    return LockError(f"cannot use the lock directory {path}: {where}{exc.strerror}")
+
+
+def _swap(old: int, new: int) -> int:
+    os.close(old)
+    return new
+
+
+def _check_dir(here: str, info: os.stat_result, of: str) -> None:
+    """Refuse a directory whose entries another user could remove or replace: it must belong to
+    root or to us, and be sticky if others may write to it. ``of``: what it leads to, if not
+    itself the lock directory."""
+    if of:
+        if info.st_uid not in (0, os.geteuid()):
+            raise LockError(
+                f"{here}, on the way to {of}, belongs to another user (uid {info.st_uid}), who "
+                "could replace what it holds; refusing to use it"
+            )
+        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            raise LockError(
+                f"{here}, on the way to {of}, is writable by other users and not sticky: they "
+                "could replace what it holds; refusing to use it"
+            )
+        return
+    if info.st_uid not in (0, os.geteuid()):
         raise LockError(
-            f"{lock_dir} is a symbolic link of another user (uid {link.st_uid}); refusing to use it"
-        )
-    if not stat.S_ISDIR(info.st_mode):
-        raise LockError(f"{lock_dir} is not a directory")
-    if info.st_uid not in (0, me):
-        raise LockError(
-            f"{lock_dir} belongs to another user (uid {info.st_uid}), who could remove or replace "
+            f"{here} belongs to another user (uid {info.st_uid}), who could remove or replace "
             "its lock files; use a root-owned directory (mode 1777) or one of your own"
         )
     if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
         raise LockError(
-            f"{lock_dir} is writable by other users and not sticky: they could remove or replace "
+            f"{here} is writable by other users and not sticky: they could remove or replace "
             "lock files; make it sticky (mode 1777) or writable by its owner only"
         )
 
 
-def lock_path(lock_dir: str, uuid: str) -> str:
-    """The lock file of the GPU ``uuid``; refuses names that could escape the directory."""
+def _readable(fd: int) -> int:
+    """The directory of the ``O_PATH`` descriptor ``fd`` opened for reading its entries too (a
+    new descriptor); a copy of ``fd`` when it may only be searched."""
+    try:
+        return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+    except PermissionError:
+        return os.dup(fd)
+
+
+def _plain(lock_dir: str) -> LockDir:
+    """``lock_dir`` opened as it is, without the safety checks (for reading, as the agent does)."""
+    try:
+        return LockDir(lock_dir, os.open(lock_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+    except OSError as exc:
+        raise LockError(f"cannot use the lock directory {lock_dir}: {exc.strerror}") from None
+
+
+@contextlib.contextmanager
+def _opened(lock_dir: str | LockDir, strict: bool) -> Iterator[LockDir]:
+    """``lock_dir`` as a LockDir: as it is, or opened for the block (checked when ``strict``)."""
+    if isinstance(lock_dir, LockDir):
+        yield lock_dir
+        return
+    with open_lock_dir(lock_dir) if strict else _plain(lock_dir) as opened:
+        yield opened
+
+
+def lock_name(uuid: str) -> str:
+    """The name of the GPU ``uuid``'s lock file; refuses names that could escape the directory."""
     if not uuid or "/" in uuid or uuid.startswith(".") or "\0" in uuid:
         raise LockError(f"invalid GPU UUID {uuid!r}")
-    return os.path.join(lock_dir, uuid + SUFFIX)
+    return uuid + SUFFIX
 
 
-def _open(path: str) -> int:
+def lock_path(lock_dir: str | LockDir, uuid: str) -> str:
+    """The path of the GPU ``uuid``'s lock file (for messages)."""
+    return os.path.join(str(lock_dir), lock_name(uuid))
+
+
+def _open(lock_dir: LockDir, name: str) -> int:
     """Open (creating if needed) a lock file read-only, never through a symlink."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    path = lock_dir.show(name)
     for _ in range(3):
         try:
-            fd = os.open(path, flags)
+            fd = os.open(name, flags, dir_fd=lock_dir.fd)
         except FileNotFoundError:
             try:
-                fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=lock_dir.fd)
                 os.fchmod(fd, 0o644)  # whatever the umask: everyone must be able to open it
             except FileExistsError:
                 continue  # someone else created it just now: open theirs
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise LockError(f"{path} is a symbolic link; refusing to use it") from None
-            raise LockError(f"cannot open {path}: {exc.strerror}{_owner(path)}") from None
+            owner = _owner(lock_dir, name)
+            raise LockError(f"cannot open {path}: {exc.strerror}{owner}") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise LockError(f"{path} is not a regular file; refusing to use it")
@@ -127,7 +292,7 @@ def _open(path: str) -> int:
     raise LockError(f"cannot open {path}: it keeps being replaced")
 
 
-def provision(lock_dir: str, uuid: str) -> str:
+def provision(lock_dir: str | LockDir, uuid: str) -> str:
     """Create the lock file of ``uuid`` when it does not exist; a warning when it is not safe.
 
     In the shared sticky directory only a file's owner (and root) may remove it. A lock file that
@@ -136,15 +301,17 @@ def provision(lock_dir: str, uuid: str) -> str:
     or the directory's owner) no user can remove it. Returns "" when the file is the agent's,
     root's or the directory owner's, else a one-line warning. Never takes the lock.
     """
-    path = lock_path(lock_dir, uuid)
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        os.close(_open(path))  # creates it, 0644, never through a link
-        info = os.lstat(path)
-    except OSError as exc:
-        raise LockError(f"cannot check {path}: {exc.strerror}") from None
-    trusted = {0, os.geteuid(), os.stat(lock_dir).st_uid}
+    name = lock_name(uuid)
+    with _opened(lock_dir, strict=False) as opened:
+        path = opened.show(name)
+        try:
+            info = os.stat(name, dir_fd=opened.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            os.close(_open(opened, name))  # creates it, 0644, never through a link
+            info = os.stat(name, dir_fd=opened.fd, follow_symlinks=False)
+        except OSError as exc:
+            raise LockError(f"cannot check {path}: {exc.strerror}") from None
+        trusted = {0, os.geteuid(), os.fstat(opened.fd).st_uid}
     if stat.S_ISREG(info.st_mode) and info.st_uid in trusted:
         return ""
     kind = "" if stat.S_ISREG(info.st_mode) else " (not a regular file)"
@@ -155,19 +322,19 @@ def provision(lock_dir: str, uuid: str) -> str:
     )
 
 
-def _owner(path: str) -> str:
-    """The owner and mode of ``path`` for messages, in parentheses; empty when unreadable."""
+def _owner(lock_dir: LockDir, name: str) -> str:
+    """The owner and mode of ``name`` for messages, in parentheses; empty when unreadable."""
     try:
-        info = os.lstat(path)
+        info = os.stat(name, dir_fd=lock_dir.fd, follow_symlinks=False)
     except OSError:
         return ""
     return f" (owner uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o})"
 
 
-def _lock(path: str) -> int | None:
-    """Open and flock ``path``: the descriptor, or None when another process holds the lock."""
+def _lock(lock_dir: LockDir, name: str) -> int | None:
+    """Open and flock ``name``: the descriptor, or None when another process holds the lock."""
     for _ in range(3):
-        fd = _open(path)
+        fd = _open(lock_dir, name)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -175,19 +342,19 @@ def _lock(path: str) -> int | None:
             return None
         except OSError as exc:  # a filesystem without flock (some NFS setups)
             os.close(fd)
-            raise LockError(f"cannot lock {path}: {exc.strerror}") from None
-        if _still_named(fd, path):
+            raise LockError(f"cannot lock {lock_dir.show(name)}: {exc.strerror}") from None
+        if _still_named(fd, lock_dir, name):
             return fd
         # Removed or replaced between open and flock: a lock on that file guards nothing, since
         # the next launcher opens whatever the name is now.
         os.close(fd)
-    raise LockError(f"cannot lock {path}: it keeps being removed or replaced")
+    raise LockError(f"cannot lock {lock_dir.show(name)}: it keeps being removed or replaced")
 
 
-def _still_named(fd: int, path: str) -> bool:
+def _still_named(fd: int, lock_dir: LockDir, name: str) -> bool:
     held = os.fstat(fd)
     try:
-        named = os.lstat(path)
+        named = os.stat(name, dir_fd=lock_dir.fd, follow_symlinks=False)
     except OSError:
         return False
     return held.st_nlink > 0 and (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
@@ -213,44 +380,57 @@ class Reservation:
         self.fds = ()
 
 
-def try_lock(lock_dir: str, uuids: Iterable[str]) -> Reservation | None:
-    """Lock every GPU in ``uuids`` (in sorted order), or none: None when one is held already."""
+def try_lock(lock_dir: str | LockDir, uuids: Iterable[str]) -> Reservation | None:
+    """Lock every GPU in ``uuids`` (in sorted order), or none: None when one is held already.
+
+    A path is resolved and checked first (see :func:`open_lock_dir`); a LockDir is used as it is.
+    """
     taken: list[int] = []
     ordered = tuple(sorted(set(uuids)))
-    check_lock_dir(lock_dir)
-    try:
-        for uuid in ordered:
-            fd = _lock(lock_path(lock_dir, uuid))
-            if fd is None:
-                for held in taken:
-                    os.close(held)
-                return None
-            taken.append(fd)
-    except BaseException:
-        for held in taken:
-            os.close(held)
-        raise
+    with _opened(lock_dir, strict=True) as opened:
+        try:
+            for uuid in ordered:
+                fd = _lock(opened, lock_name(uuid))
+                if fd is None:
+                    for held in taken:
+                        os.close(held)
+                    return None
+                taken.append(fd)
+        except BaseException:
+            for held in taken:
+                os.close(held)
+            raise
     return Reservation(ordered, tuple(taken))
 
 
-def held_locks(lock_dir: str, proc_root: str = "/proc") -> dict[str, int]:
-    """GPU UUID -> pid of the process that holds its lock, read from ``<proc>/locks`` (reading
-    never takes a lock, so it cannot get in a launcher's way)."""
+def _lock_files(lock_dir: LockDir) -> dict[tuple[int, int, int], str]:
+    """(major, minor, inode) -> GPU UUID of the regular lock files in ``lock_dir``."""
     files: dict[tuple[int, int, int], str] = {}
-    try:
-        entries = list(os.scandir(lock_dir))
-    except OSError:
-        return {}
-    for entry in entries:
+    for entry in list(os.scandir(lock_dir.fd)):
         if not entry.name.endswith(SUFFIX):
             continue
         try:
-            st = entry.stat(follow_symlinks=False)
+            st = entry.stat(follow_symlinks=False)  # relative to lock_dir.fd: keep it open
         except OSError:
             continue
         if stat.S_ISREG(st.st_mode):
             key = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
             files[key] = entry.name[: -len(SUFFIX)]
+    return files
+
+
+def held_locks(lock_dir: str | LockDir, proc_root: str = "/proc") -> dict[str, int]:
+    """GPU UUID -> pid of the process that holds its lock, read from ``<proc>/locks`` (reading
+    never takes a lock, so it cannot get in a launcher's way).
+
+    The pid is the process that took the lock: a ``run`` launcher holds its job's locks until
+    the job's last process has exited, so it names the launcher for as long as the launcher lives.
+    """
+    try:
+        with _opened(lock_dir, strict=False) as opened:
+            files = _lock_files(opened)
+    except (OSError, LockError):
+        return {}
     if not files:
         return {}
     holders: dict[str, int] = {}

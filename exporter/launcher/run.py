@@ -1,12 +1,15 @@
 """``gpu-exporter run``: hold the GPUs' locks, run the job on them, forward signals, restart.
 
-The job inherits the lock descriptors, so its GPUs stay reserved for as long as any process of
-the job lives, even if this launcher is killed. Its exit status is passed on (128+N when a signal
-N ended it).
+The launcher holds the locks until the job's last process has exited: it is the subreaper of the
+job's processes (see ``lineage``), so every process the job leaves behind, however it was
+started, stays its descendant, and it waits for all of them. The job also inherits the lock
+descriptors, so processes that keep them keep the GPUs even if the launcher is killed. The exit
+status is the job's main process's (128+N when a signal N ended it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
 
 from exporter.launcher.acquire import Device, LocalGpus
+from exporter.launcher.lineage import children, descendants, set_subreaper
 from exporter.launcher.locks import SUFFIX as LOCK_SUFFIX
-from exporter.launcher.locks import Reservation, lock_path
+from exporter.launcher.locks import Reservation
 from exporter.procfs import file_identity, scan_fd_holders
 
 RESTART_POLICIES = ("never", "on-failure", "always")
@@ -29,6 +33,13 @@ BACKOFF_MAX = 60.0
 #: How long to wait, under the lock, for a finished attempt's GPU memory to come back.
 RELEASE_TIMEOUT = 60.0
 EXIT_NOT_FOUND, EXIT_NOT_EXECUTABLE = 127, 126
+#: Signals passed on to the job (and, once its main process has exited, to what it left).
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: Signals a terminal sends to its whole foreground process group: an interactive job (which
+#: stays in our group) got them already.
+TERMINAL = (signal.SIGINT, signal.SIGHUP)
+#: Leftover processes named at most in the line that says the launcher waits for them.
+SHOWN_PIDS = 10
 
 
 @dataclass(frozen=True)
@@ -69,7 +80,8 @@ def exit_status(returncode: int) -> int:
 
 
 class Supervisor:
-    """Runs the job (again, by the restart policy) with signals forwarded to it."""
+    """Runs the job (again, by the restart policy) with signals forwarded to it, and holds the
+    locks until the last process of each attempt has exited."""
 
     def __init__(
         self,
@@ -85,21 +97,35 @@ class Supervisor:
         self.options = options
         self.stderr = stderr
         self._child: subprocess.Popen[bytes] | None = None
+        self._running = False  # the job's main process is not reaped yet
+        self._lingering = False  # it is, and the launcher waits for what it left
+        #: A signal got before the wait for leftovers, and the process group that got it already.
+        self._pending: tuple[int, int | None] | None = None
+        self._others: set[int] = set()  # our children that are not the job's (a simulation's)
         self._own_group = not _interactive()
         self._stopping = threading.Event()
 
     def say(self, message: str) -> None:
-        self.stderr.write(f"gpu-exporter: {message}\n")
-        self.stderr.flush()
+        with contextlib.suppress(OSError, ValueError):  # a terminal hung up: no one to tell
+            self.stderr.write(f"gpu-exporter: {message}\n")
+            self.stderr.flush()
 
     def run(self) -> int:
         """Run until the job is done for good; returns its exit status."""
-        previous = {
-            sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)
-        }
+        previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
+        # An inherited SIG_IGN would make the kernel reap the job without telling its status.
+        previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        why = set_subreaper(True)
+        if why:
+            self.say(
+                f"cannot keep track of the job's processes ({why}): processes it leaves behind "
+                "keep its GPUs only if they kept the lock descriptors"
+            )
         try:
             return self._loop()
         finally:
+            if not why:
+                set_subreaper(False)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self.reservation.release()
@@ -130,7 +156,10 @@ class Supervisor:
                 return status
 
     def _attempt(self, env: dict[str, str]) -> int:
+        """Run the job once; its main process's status, once every process of it has exited."""
         self.reservation.inheritable()
+        self._others = children(os.getpid())
+        self._pending = None
         group: dict[str, Any] = {}
         if self._own_group:  # signals reach the job's workers too, once
             group = (
@@ -148,7 +177,61 @@ class Supervisor:
             raise _CannotStart(
                 EXIT_NOT_EXECUTABLE, f"command not executable: {self.options.command[0]}"
             ) from None
-        return exit_status(self._child.wait())
+        self._running = True
+        status = self._wait_main(self._child)
+        self._wait_leftovers(status)
+        return status
+
+    def _wait_main(self, child: subprocess.Popen[bytes]) -> int:
+        """Reap children until the job's main process is among them; its exit status."""
+        while True:
+            try:
+                pid, raw = os.waitpid(-1, 0)  # also reaps leftovers that end meanwhile
+            except ChildProcessError:  # not ours to wait for after all: Popen knows
+                self._running = False
+                return exit_status(child.wait())
+            self._others.discard(pid)  # reaped: its pid may now name a process of the job
+            if pid == child.pid:
+                child.returncode = os.waitstatus_to_exitcode(raw)
+                self._running = False
+                return exit_status(child.returncode)
+
+    def _leftovers(self) -> list[int]:
+        """The living processes of the job once its main process has exited."""
+        return descendants(os.getpid(), skip=self._others)
+
+    def _wait_leftovers(self, status: int) -> None:
+        """Hold the locks until no process of the job is left, reaping each as it ends."""
+        self._lingering = True  # from now on a signal goes to the leftovers
+        try:
+            left = self._leftovers()
+            if left:
+                self._announce(status, left)
+            pending, self._pending = self._pending, None
+            if left and pending:  # stopped while it ran: what it left must stop too
+                self._to_leftovers(*pending)
+            while self._job_may_be_left():
+                try:
+                    pid, _ = os.waitpid(-1, 0)
+                except ChildProcessError:
+                    return  # no child left: every process of the job has been reaped
+                self._others.discard(pid)
+        finally:
+            self._lingering = False
+
+    def _announce(self, status: int, left: list[int]) -> None:
+        more = ", ..." if len(left) > SHOWN_PIDS else ""
+        self.say(
+            f"the job ended with status {status}; waiting for its {len(left)} leftover "
+            f"process(es) ({', '.join(map(str, left[:SHOWN_PIDS]))}{more}), which keep its GPUs "
+            "locked until they exit"
+        )
+
+    def _job_may_be_left(self) -> bool:
+        """Whether to wait on: with no other children, until waitpid finds none (which needs no
+        view of /proc: a process of the job may be hidden there); with others (a simulation's),
+        while /proc shows a process of the job."""
+        return not self._others or bool(self._leftovers())
 
     def _no_restart(self, status: int, restarts: int) -> str:
         """Why not to restart now ('' to restart)."""
@@ -171,7 +254,8 @@ class Supervisor:
         """
         deadline = time.monotonic() + self.options.release_timeout
         mine = {d.uuid for d in self.devices}
-        locks = {file_identity(lock_path(self.gpus.lock_dir, uuid)): "job" for uuid in mine}
+        held = (file_identity(f"/proc/self/fd/{fd}") for fd in self.reservation.fds)
+        locks = {identity: "job" for identity in held if identity is not None}
         job = {self._child.pid} if self._child is not None else set()
         while True:
             snapshot = self.gpus.sample()
@@ -193,20 +277,40 @@ class Supervisor:
                 return "stopped by a signal"
 
     def _forward(self, signum: int, _frame: Any) -> None:
-        """Pass SIGINT/SIGTERM on to the job (its whole process group when it has its own)."""
+        """Pass a signal on: to the job while its main process runs (its whole process group when
+        it has its own), to every process it left behind while the launcher waits for them."""
         self._stopping.set()
-        child = self._child
-        if child is None or child.poll() is not None:
+        if self._lingering:
+            self._to_leftovers(signum, self._terminal_group(signum))
             return
-        if not self._own_group and signum == signal.SIGINT:
-            return  # the terminal sent it to the job's (and our) process group already
-        try:
+        reached = self._terminal_group(signum)
+        if self._running and self._child is not None:
+            reached = self._to_job(self._child.pid, signum)
+        self._pending = (signum, reached)  # for what the job leaves behind
+
+    def _to_job(self, pid: int, signum: int) -> int | None:
+        """Send ``signum`` to the job's main process ``pid``, or its process group when it has its
+        own; the process group that got it (from us or from the terminal), if any."""
+        if not self._own_group and signum in TERMINAL:
+            return os.getpgrp()  # the terminal sent it to the job's (and our) group already
+        with contextlib.suppress(OSError):  # gone, or not ours to signal any more (setuid)
             if self._own_group:
-                os.killpg(child.pid, signum)
+                os.killpg(pid, signum)
             else:
-                os.kill(child.pid, signum)
-        except ProcessLookupError:
-            pass
+                os.kill(pid, signum)
+        return pid if self._own_group else None
+
+    def _terminal_group(self, signum: int) -> int | None:
+        """The process group a terminal sent ``signum`` to already, if it may have."""
+        return os.getpgrp() if not self._own_group and signum in TERMINAL else None
+
+    def _to_leftovers(self, signum: int, reached: int | None) -> None:
+        """Send ``signum`` to every leftover process of the job, except those of the process
+        group ``reached``, which got it already."""
+        for pid in self._leftovers():
+            with contextlib.suppress(OSError):  # gone, or not ours to signal (setuid)
+                if reached is None or os.getpgid(pid) != reached:
+                    os.kill(pid, signum)
 
 
 def _interactive() -> bool:
