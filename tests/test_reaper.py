@@ -509,3 +509,26 @@ def test_a_leak_is_reported_once_while_it_lasts(simulated, collector, clock, dev
         clock.advance(60)
     assert [e["class"] for e in audit_lines(tmp_path)] == ["leaked"]
     assert reaper.actions_total[("report", "leaked")] == 1
+
+
+def test_a_descendant_of_a_launcher_lock_holder_is_never_signalled(
+    simulated, collector, clock, dev, tmp_path, subreaper
+):
+    """The test process holds the lock (as ``gpu-exporter run`` does) and is the worker's
+    subreaper: the worker, a ``spawn`` worker without the descriptor, is covered."""
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    lock = open(locks / "GPU-some-gpu.lock", "w")  # noqa: SIM115 (held for the test)
+    try:
+        job = start_job(subreaper, f"{dev}/nvidia0")
+        simulated(scenario(job.listed()))
+        config = replace(
+            ReaperConfig(protect_users=()), dry_run=False, audit_log=str(tmp_path / "audit.jsonl")
+        )
+        reaper = ZombieReaper(config, ProcFs(), dev, lock_dir=str(locks))
+        orphaned(reaper, collector, clock, job)
+        assert ProcFs().process(job.worker).ppid == os.getpid()
+        assert reaper.actions_total[("skip", "launcher_lock")] == 1
+        assert alive(job.worker)
+    finally:
+        lock.close()

@@ -388,9 +388,24 @@ class ZombieReaper(Action):
                 or self.procfs.user_name(uid) in config.protect_users
             ):
                 return "protected_user"
-        if info.pid in self._locked:
+        if self._under_launcher_lock(info):
             return "launcher_lock"
         return "dry_run" if config.dry_run else ""
+
+    def _under_launcher_lock(self, info: ProcessInfo) -> bool:
+        """True when the process, or one of its ancestors, holds a launcher lock: its job is
+        still supervised (``gpu-exporter run`` is a subreaper: a ``spawn`` worker whose job's
+        main process died is re-parented to it, holding no lock itself)."""
+        pid, seen = info.pid, set()
+        while pid > 1 and pid not in seen and len(seen) < 64:
+            if pid in self._locked:
+                return True
+            seen.add(pid)
+            parent = info if pid == info.pid else self.procfs.process(pid)
+            if parent is None:
+                return False
+            pid = parent.ppid
+        return False
 
     def _signal_orphans(self, orphans: list[_Finding], now: float) -> None:
         started = 0
