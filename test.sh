@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up .venv (if needed) and runs every test: lint, then the whole pytest suite.
+# Sets up .venv (if needed) and runs every test: lint, format, the import-layer contracts
+# (import-linter), the type check (mypy), then the whole pytest suite.
 # The end-to-end test needs Prometheus and Alertmanager: when they are missing, they are
 # installed from Debian's packages if this runs as root; otherwise that test is skipped and says why.
 # Tests marked `gpu` run only where a real NVIDIA driver answers; elsewhere they are skipped.
@@ -24,4 +25,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
 .venv/bin/ruff check .
+.venv/bin/ruff format --check --quiet .
+.venv/bin/lint-imports --no-cache >/dev/null || .venv/bin/lint-imports --no-cache
+.venv/bin/mypy --no-error-summary
 .venv/bin/python -m pytest "$@"

@@ -29,11 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import benchmark
 
-from exporter.collect import Collector
-from exporter.metrics import SelfStats, render
-from exporter.nvml import Nvml
-from exporter.procfs import ProcFs
-from exporter.simulate import simulate
+from exporter.core.nvml import Nvml
+from exporter.core.procfs import ProcFs
+from exporter.exposition.metrics import render
+from exporter.sampling.collect import Collector
+from exporter.sampling.stats import SelfStats
+from exporter.simulate.driver import simulate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _seconds(duration: str) -> float:
-    from exporter.units import parse_duration
+    from exporter.core.units import parse_duration
 
     return parse_duration(duration)
 

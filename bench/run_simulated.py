@@ -3,7 +3,7 @@
     python bench/run_simulated.py SCENARIO.yaml STATS.json -- gpu-exporter ARGS...
     python bench/run_simulated.py SCENARIO.yaml STATS.json -- nvitop-exporter ARGS...
 
-The simulation (``exporter.simulate``) is installed first, before the exporter or nvitop is
+The simulation (``exporter.simulate.driver``) is installed first, before the exporter or nvitop is
 imported, so both exporters call the same simulated pynvml functions (nvitop also calls NVML's C
 symbols through ``pynvml._nvmlGetFunctionPointer``; the simulation serves those too). On SIGUSR1
 this process writes ``{"calls": N, "by_function": {...}, "seq": K, "time": T}`` to STATS.json
@@ -15,7 +15,7 @@ installed), with ``--dev`` set to the simulation's device folder and ``--lock-di
 empty folder unless ARGS give them. nvitop-exporter runs as ``nvitop-exporter ARGS...``.
 SIGINT or SIGTERM stops either one; the simulation is then uninstalled.
 
-Only ``exporter.simulate`` (pynvml and PyYAML) is imported from this repository before the
+Only ``exporter.simulate.driver`` (pynvml and PyYAML) is imported from this repository before the
 exporter starts, so this works in a virtual environment that has nvitop-exporter and PyYAML with
 the repository on PYTHONPATH (see bench/benchmark.py).
 """
@@ -83,7 +83,9 @@ def main(argv: list[str]) -> int:
     if repo not in sys.path:
         sys.path.insert(0, repo)
 
-    from exporter.simulate import simulate  # before nvitop (or exporter.nvml) is imported
+    from exporter.simulate.driver import (
+        simulate,  # before nvitop (or exporter.core.nvml) is imported
+    )
 
     driver = simulate(scenario)
     symbols = _count_c_symbols(driver)

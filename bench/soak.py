@@ -28,7 +28,8 @@ Client threads scrape ``/metrics`` on fresh connections until both ``--samples``
 samples (scrapes per sample as the two targets say) so that neither finishes long before the
 other and the scrapers do not starve the sampler. At checkpoints the
 clients pause, and the agent is read from outside while no request is in flight: VmRSS,
-threads (``/proc/PID/status``), open descriptors (``/proc/PID/fd``) and its children, live and
+threads (``/proc/PID/status``), open descriptors (``/proc/PID/fd``, pidfds left out: the reaper
+holds one per GPU process it watches) and its children, live and
 defunct. A monitor client parses the per-process series of ``/metrics`` every 100 ms. At the
 end, ``/metrics`` and ``/snapshot`` of the same sample are compared, and the agent is stopped
 and must leave no process behind.
@@ -143,8 +144,17 @@ def proc_status(pid: int) -> dict[str, str]:
 
 
 def open_fds(pid: int) -> int:
-    """Open file descriptors of ``pid``."""
-    return len(os.listdir(f"/proc/{pid}/fd"))
+    """Open file descriptors of ``pid``, its pidfds left out: the zombie reaper holds one on
+    each GPU process it watches (the evidence that a job ended), so their number follows the
+    churning processes, not a leak."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            pidfd = os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[pidfd]"
+        except OSError:  # closed meanwhile
+            continue
+        count += not pidfd
+    return count
 
 
 def children_of(pid: int) -> dict[int, str]:
@@ -804,7 +814,7 @@ def checkpoint_table(outcome: Outcome) -> str:
 
 
 def _duration(raw: str) -> float:
-    from exporter.units import parse_duration
+    from exporter.core.units import parse_duration
 
     try:
         seconds = parse_duration(raw)
@@ -816,7 +826,7 @@ def _duration(raw: str) -> float:
 
 
 def _every(raw: str) -> float:
-    from exporter.units import parse_duration
+    from exporter.core.units import parse_duration
 
     try:
         seconds = parse_duration(raw)

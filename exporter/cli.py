@@ -14,18 +14,20 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from exporter import __version__
-from exporter.collect import Collector
-from exporter.config import BY_KEY, SETTINGS, Config, load_config
+from exporter.config.policies import recommend_policies
+from exporter.config.settings import BY_KEY, SETTINGS, Config, load_config, skip_actions
+from exporter.config.yamlconf import ConfigError, Section
+from exporter.core.nvml import Nvml
+from exporter.core.procfs import ProcFs
 from exporter.launcher import cli as launcher_cli
-from exporter.nvml import Nvml
-from exporter.procfs import ProcFs
-from exporter.yamlconf import ConfigError
+from exporter.sampling.collect import Collector
 
 log = logging.getLogger("exporter")
+A = TypeVar("A")
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 _SERVE_ONLY = {"listen", "interval", "deadline", "log_level", "history", "paths.dev"} | {
     s.key for s in SETTINGS if s.key.startswith("tls.")
@@ -88,11 +90,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config(args: argparse.Namespace) -> Config:
+def _config(args: argparse.Namespace, actions: Callable[[Section], A]) -> Config[A]:
+    """The settings from ``args``' flags, the environment and the config file, with the
+    ``actions:`` section as ``actions`` parses it."""
     import os
 
     flags = {s.key: getattr(args, s.key, None) for s in SETTINGS}
-    return load_config(args.config or os.environ.get("GPU_EXPORTER_CONFIG"), flags)
+    path = args.config or os.environ.get("GPU_EXPORTER_CONFIG")
+    return load_config(path, flags, actions=actions, scenario=_check_scenario)
+
+
+def _check_scenario(path: str) -> None:
+    from exporter.simulate.driver import load_scenario  # only configs that simulate pay for it
+
+    load_scenario(path)
+
+
+def _agent_actions(section: Section) -> Any:
+    """The agent's ``actions:`` parser (imports the action engine only when called)."""
+    from exporter.actions.engine import parse_actions
+
+    return parse_actions(section)
 
 
 def _setup_logging(level: str) -> None:
@@ -109,7 +127,7 @@ def _simulation(config: Config) -> Iterator[Any]:
     if not config.simulate:
         yield None
         return
-    from exporter.simulate import simulate
+    from exporter.simulate.driver import simulate
 
     driver = simulate(config.simulate)
     try:
@@ -122,7 +140,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     """Print one Snapshot as a table or JSON."""
     from exporter.status import format_status
 
-    config = _config(args)
+    config = _config(args, skip_actions)
     _setup_logging("critical")  # status reports failures itself, in one line
     with _simulation(config):
         collector = Collector(
@@ -152,7 +170,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _agent_lock_dir(config: Config) -> str | None:
     """The launchers' lock directory the agent watches (None when there is none to watch)."""
-    from exporter.launcher.locks import LockError, default_lock_dir
+    from exporter.core.locks import LockError, default_lock_dir
 
     try:
         return config.lock_dir or default_lock_dir()
@@ -164,11 +182,13 @@ def _agent_lock_dir(config: Config) -> str | None:
 def _check_tls(config: Config) -> None:
     """Load the TLS files once, so that a bad one is a usage error (exit 2) naming its setting
     rather than a failure to serve."""
-    from exporter.server import tls_context
+    from exporter.web.server import tls_context
 
     if not config.tls_cert_file:
         return
-    checks = [("--tls-cert-file/--tls-key-file (tls.cert_file, tls.key_file)", None)]
+    checks: list[tuple[str, str | None]] = [
+        ("--tls-cert-file/--tls-key-file (tls.cert_file, tls.key_file)", None)
+    ]
     if config.tls_client_ca_file:  # checked second: the certificate is known good by then
         checks.append(("--tls-client-ca-file (tls.client_ca_file)", config.tls_client_ca_file))
     for settings, client_ca in checks:
@@ -180,11 +200,12 @@ def _check_tls(config: Config) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Sample and serve until SIGTERM or SIGINT; SIGHUP reloads the config."""
-    from exporter.actions.scheduler import ActionEngine
-    from exporter.http import App, serve
-    from exporter.sampler import Sampler
+    from exporter.actions.engine import ActionEngine
+    from exporter.exposition.metrics import render
+    from exporter.sampling.sampler import Sampler
+    from exporter.web.routes import App, serve
 
-    config = _config(args)
+    config = _config(args, _agent_actions)
     _check_tls(config)
     _setup_logging(config.log_level)
     stop, reload = threading.Event(), threading.Event()
@@ -205,7 +226,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             Nvml(), procfs, lock_dir=lock_dir, expose_cmdline=config.expose_cmdline
         )
         sampler = Sampler(
-            collector, interval=config.interval, deadline=config.deadline, history=config.history
+            collector,
+            interval=config.interval,
+            deadline=config.deadline,
+            history=config.history,
+            render=render,
         )
         dev_root = config.dev_root
         if driver is not None and dev_root == BY_KEY["paths.dev"].default:
@@ -274,10 +299,10 @@ def _reload(
     None when an action's run is still in progress after a second: nothing was applied, and the
     caller tries again (so SIGTERM is still heard while a run takes long).
     """
-    from exporter.actions.scheduler import ActionBusy
+    from exporter.actions.engine import ActionBusy
 
     try:
-        new = _config(args)
+        new = _config(args, _agent_actions)
     except ConfigError as exc:
         log.error("config reload rejected, the running config stays: %s", exc)
         return running
@@ -303,9 +328,9 @@ def _reload(
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     """Validate a config file."""
-    from exporter import privileges
+    from exporter.core import privileges
 
-    config = load_config(args.file, environ={})
+    config = load_config(args.file, environ={}, actions=_agent_actions, scenario=_check_scenario)
     _check_tls(config)
     print(f"{args.file}: ok")
     reaper = config.actions.actions["zombie_reaper"]
@@ -322,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command in ("recommend", "run"):
             _setup_logging("critical")  # they report failures themselves, in one line
-            return launcher_cli.handle(args.command, args, _config(args))
+            return launcher_cli.handle(args.command, args, _config(args, recommend_policies))
         return handlers[args.command](args)
     except ConfigError as exc:
         print(f"gpu-exporter: {exc}", file=sys.stderr)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from exporter.snapshot import Gpu, GpuProcess, Snapshot
-from exporter.units import format_bytes
+from exporter.core.snapshot import Gpu, GpuProcess, Snapshot
+from exporter.core.units import format_bytes
 
 _GPU_ROW = "{:>3}  {:<26} {:>5} {:>5} {:>21} {:>13}  {}"
 _PROCESS_ROW = "{:>3}  {:>8} {:<12} {:<8} {:>9}  {}"

@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from exporter.collect import Collector
-from exporter.nvml import Nvml
-from exporter.procfs import ProcFs
-from exporter.simulate import SimulatedDriver, parse_scenario
-from exporter.yamlconf import parse_document
+from exporter.config.yamlconf import parse_document
+from exporter.core.nvml import Nvml
+from exporter.core.procfs import ProcFs
+from exporter.sampling.collect import Collector
+from exporter.simulate.driver import SimulatedDriver, parse_scenario
 
 PR_SET_CHILD_SUBREAPER = 36
 

@@ -72,3 +72,17 @@ def load_script(path: Path) -> Any:
     finally:
         del sys.modules[spec.name]
     return module
+
+
+def agent_config(
+    path: str | None,
+    flags: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> Any:
+    """The agent's settings as ``serve`` and ``check-config`` load them: every action's
+    settings parsed and a scenario file checked."""
+    from exporter.actions.engine import parse_actions
+    from exporter.config.settings import load_config
+    from exporter.simulate.driver import load_scenario
+
+    return load_config(path, flags, environ, actions=parse_actions, scenario=load_scenario)

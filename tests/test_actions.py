@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter import http as agent_http
-from exporter.actions.scheduler import ActionEngine, ActionsConfig, parse_actions
-from exporter.config import load_config
-from exporter.http import App
-from exporter.procfs import ProcFs
-from exporter.sampler import Sampler
-from exporter.yamlconf import ConfigError, parse_document
+from exporter.actions.engine import ActionEngine, ActionsConfig, parse_actions
+from exporter.config.yamlconf import ConfigError, parse_document
+from exporter.core.procfs import ProcFs
+from exporter.exposition.metrics import render
+from exporter.sampling.sampler import Sampler
+from exporter.web import routes as agent_http
+from exporter.web.routes import App
 from tests.agent import healthz_until, http_get, serve, stderr_of
-from tests.helpers import one, samples
+from tests.helpers import agent_config, one, samples
 
 SCENARIO = """
 gpus:
@@ -38,7 +38,7 @@ def actions(text: str) -> ActionsConfig:
 @pytest.fixture
 def engine(simulated, collector, clock, tmp_path):
     simulated(SCENARIO)
-    sampler = Sampler(collector, interval=5, deadline=5, monotonic=clock)
+    sampler = Sampler(collector, interval=5, deadline=5, monotonic=clock, render=render)
     sampler.sample_once()
     made = ActionEngine(sampler, ActionsConfig(), ProcFs(), str(tmp_path), clock=lambda: 1.7e9)
     yield made
@@ -111,7 +111,7 @@ def test_check_config_rejects_a_typo_in_a_safety_setting(tmp_path):
 
 
 def test_example_config_is_valid():
-    config = load_config(str(Path(__file__).parent.parent / "config.example.yaml"), environ={})
+    config = agent_config(str(Path(__file__).parent.parent / "config.example.yaml"), environ={})
     assert config.actions.actions["zombie_reaper"].options.dry_run is True
 
 
@@ -369,7 +369,7 @@ def _reaper_value(found: dict, name: str, first: str, second: str) -> float | No
 def test_cron_weekdays_mean_what_they_mean_to_cron(expression, weekday):
     import datetime
 
-    from exporter.actions.scheduler import cron_trigger
+    from exporter.actions.engine import cron_trigger
 
     monday = datetime.datetime(2026, 11, 30, 13, tzinfo=datetime.timezone.utc)
     fire = cron_trigger(expression).get_next_fire_time(None, monday)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from exporter.activity import IdleTimes
-from exporter.collect import Collector
-from exporter.nvml import Nvml
-from exporter.procfs import ProcFs
+from exporter.core.activity import IdleTimes
+from exporter.core.nvml import Nvml
+from exporter.core.procfs import ProcFs
+from exporter.sampling.collect import Collector
 from tests.test_reaper import scenario
 
 

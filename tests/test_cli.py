@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from exporter.procfs import ProcFs
+from exporter.core.procfs import ProcFs
 from tests.agent import clean_env, healthz_until, http_get, serve, stderr_of
 from tests.agent import exporter_cli as run_cli
-from tests.helpers import line_of, write
+from tests.helpers import agent_config, line_of, write
 
 BUILTIN_NAMES = [
     "NVIDIA H100 80GB HBM3",
@@ -419,12 +419,12 @@ def test_second_server_on_same_port(tmp_path: Path) -> None:
 def test_a_reload_that_must_wait_for_a_running_action_applies_nothing_yet(tmp_path):
     from types import SimpleNamespace
 
-    from exporter.actions.scheduler import ActionBusy
-    from exporter.cli import _config, _reload, build_parser
+    from exporter.actions.engine import ActionBusy
+    from exporter.cli import _reload, build_parser
 
     path = write(tmp_path, "interval: 7s\n")
     args = build_parser().parse_args(["serve", "--config", path])
-    running = _config(args)
+    running = agent_config(path, {}, environ={})
     sampler = SimpleNamespace(
         interval=1.0, deadline=1.0, stats=SimpleNamespace(interval_seconds=1.0), collector=None
     )

@@ -117,11 +117,15 @@ def _options() -> dict[str, dict[str, argparse.Action]]:
 
 
 OPTIONS = _options()
+#: Of ``actions:``, status reads nothing and recommend and run only the recommendation policies
+#: (they load no action code); serve and check-config check all of it.
+ACTIONS_ONLY = {"{long_every}"}
 CASES = [
     (command, flag, value)
     for command, options in OPTIONS.items()
     for flag in options
     for value in BAD.get(flag, [])
+    if command == "serve" or value not in ACTIONS_ONLY
 ]
 #: Options that need a value: leaving it out is an argparse error naming the flag.
 VALUED = [
@@ -353,3 +357,14 @@ def test_real_command_too_long_variable(variable: str, value: str, maximum: str)
         f"gpu-exporter: environment variable {variable}: {value} is longer than the maximum "
         f"{maximum}\n"
     )
+
+
+@pytest.mark.parametrize("command", ["recommend", "run"])
+def test_the_launcher_checks_the_policies_it_reads(tmp_path, command):
+    config = tmp_path / "config.yaml"
+    config.write_text("actions:\n  recommend:\n    policies:\n      big: {count: 0}\n")
+    extra = ["--", "true"] if command == "run" else []
+    done = exporter_cli(command, "--simulate", "--config", str(config), *extra)
+    assert done.returncode == 2, done.stderr
+    assert f"{config}:4: actions.recommend.policies.big.count" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from exporter.collect import Collector
-from exporter.nvml import Nvml
-from exporter.procfs import ProcFs
+from exporter.core.nvml import Nvml
+from exporter.core.procfs import ProcFs
+from exporter.sampling.collect import Collector
 
 TWO_GPUS = """
 gpus:

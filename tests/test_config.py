@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from exporter.config import Listen, load_config, parse_listen
-from exporter.yamlconf import ConfigError
-from tests.helpers import line_of, write
+from exporter.config.settings import Listen, parse_listen
+from exporter.config.yamlconf import ConfigError
+from tests.helpers import agent_config, line_of, write
 
 
 def config_error(path: str | None, flags: dict | None = None, environ: dict | None = None) -> str:
     with pytest.raises(ConfigError) as info:
-        load_config(path, flags or {}, environ=environ or {})
+        agent_config(path, flags or {}, environ=environ or {})
     return str(info.value)
 
 
@@ -24,7 +24,7 @@ def config_error(path: str | None, flags: dict | None = None, environ: dict | No
 
 
 def test_defaults() -> None:
-    config = load_config(None, {}, environ={})
+    config = agent_config(None, {}, environ={})
     assert config.listen == Listen("0.0.0.0", 9402)
     assert str(config.listen) == "0.0.0.0:9402"
     assert config.interval == 5.0
@@ -41,13 +41,13 @@ def test_defaults() -> None:
 
 
 def test_defaults_ignore_unrelated_environment() -> None:
-    config = load_config(None, {}, environ={"GPU_EXPORTER": "x", "INTERVAL": "1s", "PATH": "/"})
+    config = agent_config(None, {}, environ={"GPU_EXPORTER": "x", "INTERVAL": "1s", "PATH": "/"})
     assert config.interval == 5.0
 
 
 def test_process_environment_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPU_EXPORTER_INTERVAL", "7s")
-    assert load_config(None, {}).interval == 7.0
+    assert agent_config(None, {}).interval == 7.0
 
 
 def test_file_sets_every_key(tmp_path: Path) -> None:
@@ -74,7 +74,7 @@ def test_file_sets_every_key(tmp_path: Path) -> None:
         history: 30
         """,
     )
-    config = load_config(path, {}, environ={})
+    config = agent_config(path, {}, environ={})
     assert config.listen == Listen("127.0.0.1", 9500)
     assert config.interval == 2.0
     assert config.deadline == 1.0
@@ -90,17 +90,17 @@ def test_file_sets_every_key(tmp_path: Path) -> None:
 
 
 def test_deadline_follows_interval_unless_set(tmp_path: Path) -> None:
-    assert load_config(write(tmp_path, "interval: 2s\n"), {}, environ={}).deadline == 2.0
+    assert agent_config(write(tmp_path, "interval: 2s\n"), {}, environ={}).deadline == 2.0
     auto = write(tmp_path, "interval: 2s\ndeadline: auto\n", "auto.yaml")
-    assert load_config(auto, {}, environ={}).deadline == 2.0
-    assert load_config(None, {"interval": "3s"}, environ={}).deadline == 3.0
+    assert agent_config(auto, {}, environ={}).deadline == 2.0
+    assert agent_config(None, {"interval": "3s"}, environ={}).deadline == 3.0
 
 
 def test_simulate_scenario_file(tmp_path: Path) -> None:
     scenario = tmp_path / "scenario.yaml"
     scenario.write_text("gpus: []\n")
     path = write(tmp_path, f"simulate: {scenario}\n")
-    assert load_config(path, {}, environ={}).simulate == str(scenario)
+    assert agent_config(path, {}, environ={}).simulate == str(scenario)
 
 
 @pytest.mark.parametrize(
@@ -109,19 +109,19 @@ def test_simulate_scenario_file(tmp_path: Path) -> None:
 )
 def test_simulate_booleans(tmp_path: Path, value: str, expected: str | None) -> None:
     path = write(tmp_path, f"simulate: {value}\n")
-    assert load_config(path, {}, environ={}).simulate == expected
+    assert agent_config(path, {}, environ={}).simulate == expected
 
 
 @pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n", "---\n"])
 def test_empty_file_is_defaults(tmp_path: Path, text: str) -> None:
     path = tmp_path / "empty.yaml"
     path.write_text(text)
-    assert load_config(str(path), {}, environ={}) == load_config(None, {}, environ={})
+    assert agent_config(str(path), {}, environ={}) == agent_config(None, {}, environ={})
 
 
 def test_empty_sections_are_fine(tmp_path: Path) -> None:
     path = write(tmp_path, "paths:\ntls: {}\n")
-    assert load_config(path, {}, environ={}).proc_root == "/proc"
+    assert agent_config(path, {}, environ={}).proc_root == "/proc"
 
 
 # -- precedence -----------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def test_precedence_flags_over_env_over_file_over_default(tmp_path: Path) -> Non
     }
     flags = {"listen": "127.0.0.1:1003", "interval": "4s", "paths.proc": str(flag_proc)}
 
-    only_file = load_config(path, {}, environ={})
+    only_file = agent_config(path, {}, environ={})
     assert (only_file.listen.port, only_file.interval, only_file.proc_root) == (
         1001,
         2.0,
@@ -158,7 +158,7 @@ def test_precedence_flags_over_env_over_file_over_default(tmp_path: Path) -> Non
     assert only_file.log_level == "warning"
     assert only_file.history == 120  # default: the file does not set it
 
-    with_env = load_config(path, {}, environ=environ)
+    with_env = agent_config(path, {}, environ=environ)
     assert (with_env.listen.port, with_env.interval, with_env.proc_root) == (
         1002,
         3.0,
@@ -167,7 +167,7 @@ def test_precedence_flags_over_env_over_file_over_default(tmp_path: Path) -> Non
     assert with_env.history == 55
     assert with_env.log_level == "warning"  # the file still counts where env is silent
 
-    with_flags = load_config(path, flags, environ=environ)
+    with_flags = agent_config(path, flags, environ=environ)
     assert (with_flags.listen.port, with_flags.interval, with_flags.proc_root) == (
         1003,
         4.0,
@@ -179,12 +179,12 @@ def test_precedence_flags_over_env_over_file_over_default(tmp_path: Path) -> Non
 
 def test_none_flags_do_not_override(tmp_path: Path) -> None:
     path = write(tmp_path, "interval: 2s\n")
-    config = load_config(path, {"interval": None, "listen": None}, environ={})
+    config = agent_config(path, {"interval": None, "listen": None}, environ={})
     assert config.interval == 2.0
 
 
 def test_env_overrides_default_without_file() -> None:
-    config = load_config(None, {}, environ={"GPU_EXPORTER_LOG_LEVEL": "ERROR"})
+    config = agent_config(None, {}, environ={"GPU_EXPORTER_LOG_LEVEL": "ERROR"})
     assert config.log_level == "error"
 
 
@@ -203,7 +203,7 @@ def test_unknown_top_level_key(tmp_path: Path) -> None:
 def test_unknown_key_error_attributes(tmp_path: Path) -> None:
     path = write(tmp_path, "intervall: 5s\n")
     with pytest.raises(ConfigError) as info:
-        load_config(path, {}, environ={})
+        agent_config(path, {}, environ={})
     assert info.value.where == f"{path}:1"
     assert info.value.key == "intervall"
     assert "unknown key" in info.value.why
@@ -405,7 +405,7 @@ def test_tls_client_ca_without_cert(tmp_path: Path, pem_files: tuple[str, str, s
 def test_tls_complete_is_accepted(pem_files: tuple[str, str, str]) -> None:
     cert, key, ca = pem_files
     flags = {"tls.cert_file": cert, "tls.key_file": key, "tls.client_ca_file": ca}
-    config = load_config(None, flags, environ={})
+    config = agent_config(None, flags, environ={})
     assert (config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file) == (
         cert,
         key,
@@ -531,7 +531,7 @@ def test_listen_from_file_forms(tmp_path: Path) -> None:
         ("listen: 127.0.0.1:1\n", Listen("127.0.0.1", 1)),
     ]:
         path = write(tmp_path, text)
-        assert load_config(path, {}, environ={}).listen == expected
+        assert agent_config(path, {}, environ={}).listen == expected
 
 
 def test_config_error_is_one_line(tmp_path: Path) -> None:
@@ -600,7 +600,7 @@ def test_every_duration_key_has_a_maximum(tmp_path: Path, key: str, maximum: str
     assert message == (
         f"{path}:{line}: {key}: {HUGE_DURATION} is longer than the maximum {maximum}"
     )
-    assert load_config(write(tmp_path, nested(key, maximum), "max.yaml"), {}, environ={})
+    assert agent_config(write(tmp_path, nested(key, maximum), "max.yaml"), {}, environ={})
 
 
 @pytest.mark.parametrize(("key", "maximum"), list(SIZE_KEYS.items()))
@@ -609,7 +609,7 @@ def test_every_size_key_has_a_maximum(tmp_path: Path, key: str, maximum: str) ->
     message = config_error(path)
     line = len(key.split("."))
     assert message == f"{path}:{line}: {key}: {HUGE_SIZE} is larger than the maximum {maximum}"
-    assert load_config(write(tmp_path, nested(key, maximum), "max.yaml"), {}, environ={})
+    assert agent_config(write(tmp_path, nested(key, maximum), "max.yaml"), {}, environ={})
 
 
 @pytest.mark.parametrize(
@@ -656,7 +656,7 @@ def test_too_long_flags_and_variables(key: str, flag: str, value: object, maximu
 @pytest.mark.parametrize(("value", "ok"), [("1h", True), ("3600", True), ("3600.5", False)])
 def test_interval_maximum_is_one_hour(value: str, ok: bool) -> None:
     if ok:
-        config = load_config(None, {"interval": value, "deadline": value}, environ={})
+        config = agent_config(None, {"interval": value, "deadline": value}, environ={})
         assert config.interval == config.deadline == 3600
     else:
         assert "longer than the maximum 1h" in config_error(None, flags={"interval": value})
@@ -691,7 +691,7 @@ def load_in_time(path: str, fifo: Path, timeout: float = 10) -> str:
 
     def load() -> None:
         try:
-            load_config(path, {}, environ={})
+            agent_config(path, {}, environ={})
             outcome.append(None)
         except BaseException as exc:  # handed to the test's thread
             outcome.append(exc)
@@ -719,7 +719,7 @@ def test_a_link_to_a_fifo_is_refused_and_a_link_to_a_file_is_followed(tmp_path: 
     assert load_in_time(str(link), fifo) == f"{link}: is not a regular file (a FIFO)"
     link.unlink()
     link.symlink_to(write(tmp_path, "interval: 2s\n", "real.yaml"))
-    assert load_config(str(link), {}, environ={}).interval == 2.0
+    assert agent_config(str(link), {}, environ={}).interval == 2.0
 
 
 def test_a_device_is_refused() -> None:
@@ -742,7 +742,7 @@ def test_a_file_of_one_mib_is_read(tmp_path: Path) -> None:
     path = tmp_path / "full.yaml"
     head = b"interval: 3s\n"
     path.write_bytes(head + b"#" * (1024 * 1024 - len(head) - 1) + b"\n")
-    assert load_config(str(path), {}, environ={}).interval == 3.0
+    assert agent_config(str(path), {}, environ={}).interval == 3.0
 
 
 def test_a_scenario_fifo_is_refused_at_once(tmp_path: Path) -> None:

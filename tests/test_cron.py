@@ -8,8 +8,8 @@ import pytest
 from tzlocal import get_localzone
 
 from exporter.actions.cron import cron_trigger
-from exporter.actions.scheduler import parse_actions
-from exporter.yamlconf import ConfigError, parse_document
+from exporter.actions.engine import parse_actions
+from exporter.config.yamlconf import ConfigError, parse_document
 
 UTC = datetime.timezone.utc
 START = datetime.datetime(2026, 12, 1, tzinfo=UTC)  # a Tuesday, 00:00
@@ -114,8 +114,8 @@ def test_timezone_defaults_to_host_local_time():
     assert cron_trigger("0 9 * * *").timezone == get_localzone()
 
 
-def test_cron_trigger_is_still_importable_from_the_scheduler():
-    from exporter.actions import scheduler
+def test_the_engine_schedules_with_this_cron_trigger():
+    from exporter.actions import engine as scheduler
 
     assert scheduler.cron_trigger is cron_trigger
 

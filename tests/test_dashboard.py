@@ -18,7 +18,7 @@ GRAFANA = ROOT / "grafana"
 DATASOURCE_UID = "${datasource}"
 PROVISIONED_DIR = "/var/lib/grafana/dashboards/gpu-exporter"
 
-#: Exported by the agent (exporter/metrics.py) but not yet listed in docs/metrics.md.
+#: Exported by the agent (exporter/exposition/metrics.py) but not yet listed in docs/metrics.md.
 #: Drop a name from here once the docs list it.
 
 #: Metrics without the gpu label (so their selectors take no gpu=~"$gpu").

@@ -33,8 +33,8 @@ import pytest
 import yaml
 
 import exporter
-from exporter.config import DEFAULT_PORT
-from exporter.launcher.locks import SYSTEM_LOCK_DIR
+from exporter.config.settings import DEFAULT_PORT
+from exporter.core.locks import SYSTEM_LOCK_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"

@@ -29,10 +29,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS = shutil.which("prometheus")
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 
-pytestmark = pytest.mark.skipif(
-    not (PROMETHEUS and ALERTMANAGER),
-    reason="needs Debian's prometheus and prometheus-alertmanager (test.sh installs them)",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (PROMETHEUS and ALERTMANAGER),
+        reason="needs Debian's prometheus and prometheus-alertmanager (test.sh installs them)",
+    ),
+]
 
 SCENARIO = """
 gpus:

@@ -32,16 +32,17 @@ from typing import Any
 import pynvml
 import pytest
 
-from exporter.actions.recommend import Policy, recommend
-from exporter.actions.scheduler import ActionBusy, ActionEngine, parse_actions
-from exporter.collect import Collector
-from exporter.metrics import SelfStats, render
-from exporter.nvml import Nvml
-from exporter.procfs import ProcFs
-from exporter.sampler import Sampler
-from exporter.simulate import FIELD_FUNCTIONS
-from exporter.snapshot import Gpu, Snapshot
-from exporter.yamlconf import parse_document
+from exporter.actions.engine import ActionBusy, ActionEngine, parse_actions
+from exporter.config.yamlconf import parse_document
+from exporter.core.nvml import Nvml
+from exporter.core.procfs import ProcFs
+from exporter.core.selection import Policy, recommend
+from exporter.core.snapshot import Gpu, Snapshot
+from exporter.exposition.metrics import render
+from exporter.sampling.collect import Collector
+from exporter.sampling.sampler import Sampler
+from exporter.sampling.stats import SelfStats
+from exporter.simulate.driver import FIELD_FUNCTIONS
 from tests.agent import healthz_until, http_get, serve, stderr_of
 from tests.helpers import one, samples, write
 from tests.test_procfs import FakeProc
@@ -164,7 +165,10 @@ class Chaos:
     def install(self) -> None:
         for name in dir(pynvml):
             fn = getattr(pynvml, name)
-            if name.startswith("nvml") and getattr(fn, "__module__", "") == "exporter.simulate":
+            if (
+                name.startswith("nvml")
+                and getattr(fn, "__module__", "") == "exporter.simulate.driver"
+            ):
                 setattr(pynvml, name, self._wrap(name, fn))  # the simulation's uninstall undoes it
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -486,7 +490,7 @@ def test_a_gpu_replaced_at_its_index_is_not_shown_twice_and_actions_follow_uuids
           - {name: GPU C, memory_used: 10GiB, present: {from: 10s}}
         """
     )
-    sampler = Sampler(collector, interval=5, deadline=5, monotonic=clock)
+    sampler = Sampler(collector, interval=5, deadline=5, monotonic=clock, render=render)
     uuids = {}
     for _ in range(6):  # A leaves and C arrives at once: two GPUs all along
         snap = sampler.sample_once().snapshot
@@ -703,7 +707,7 @@ def test_huge_procfs_files_are_read_bounded(tmp_path):
 
 _UNPRIVILEGED_READER = """
 import json, os, sys
-from exporter.procfs import ProcFs, file_identity, scan_fd_holders
+from exporter.core.procfs import ProcFs, file_identity, scan_fd_holders
 pid, device = int(sys.argv[1]), sys.argv[2]
 identity = file_identity(device)
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
@@ -779,7 +783,7 @@ def _engine(simulated, collector, clock, tmp_path: Path, audit: Path, job: Job) 
         .root()
         .section("actions")
     )
-    sampler = Sampler(collector, interval=5, deadline=5, monotonic=clock)
+    sampler = Sampler(collector, interval=5, deadline=5, monotonic=clock, render=render)
     return ActionEngine(
         sampler, config, ProcFs(), str(dev), clock=lambda: BASE + clock.now, monotonic=clock
     )
@@ -860,7 +864,7 @@ def test_a_reload_in_the_middle_of_a_run_waits_for_it_and_applies_whole(
     simulated, collector, clock, tmp_path
 ):
     simulated("gpus: [{name: GPU A}, {name: GPU B}]\n")
-    sampler = Sampler(collector, interval=5, deadline=5, monotonic=clock)
+    sampler = Sampler(collector, interval=5, deadline=5, monotonic=clock, render=render)
     sampler.sample_once()
     engine = ActionEngine(
         sampler,

@@ -29,13 +29,19 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from exporter.config import LOG_LEVELS, MAX_INTERVAL, MIN_INTERVAL, SETTINGS, Config, load_config
-from exporter.simulate import FIELD_FUNCTIONS, load_scenario
-from exporter.units import MAX_DURATION, MAX_SIZE
-from exporter.yamlconf import MAX_DEPTH, ConfigError
+from exporter.config.settings import (
+    LOG_LEVELS,
+    MAX_INTERVAL,
+    MIN_INTERVAL,
+    SETTINGS,
+    Config,
+)
+from exporter.config.yamlconf import MAX_DEPTH, ConfigError
+from exporter.core.units import MAX_DURATION, MAX_SIZE
+from exporter.simulate.driver import FIELD_FUNCTIONS, load_scenario
 from tests.agent import exporter_cli as _run
 from tests.agent import free_port, healthz_until, http_get, serve, stderr_of
-from tests.helpers import one, samples
+from tests.helpers import agent_config, one, samples
 
 FUZZ = settings(
     max_examples=150,
@@ -104,7 +110,7 @@ def check_config(path: str) -> Config | None:
     """What ``check-config`` and ``--config`` do with ``path``: a valid Config or None after a
     clear ConfigError; any other exception fails the test."""
     try:
-        config = load_config(path, {}, environ={})
+        config = agent_config(path, {}, environ={})
     except ConfigError as exc:
         _error_is_clear(exc, path)
         return None
@@ -312,8 +318,8 @@ GOOD_SETTINGS: dict[str, Any] = {
 
 
 def _config_schema() -> dict[str, Any]:
-    """Every setting in exporter.config.SETTINGS (a new one is fuzzed with its default) and the
-    actions."""
+    """Every setting in exporter.config.settings.SETTINGS (a new one is fuzzed with its default)
+    and the actions."""
     schema: dict[str, Any] = {}
     for setting in SETTINGS:
         *sections, name = setting.key.split(".")
@@ -612,7 +618,7 @@ def test_hostile_file_messages(target: Path, name: str, needle: str) -> None:
     """The precise reasons, and the line where there is one."""
     target.write_bytes(HOSTILE_FILES[name])
     with pytest.raises(ConfigError) as info:
-        load_config(str(target), {}, environ={})
+        agent_config(str(target), {}, environ={})
     assert needle in str(info.value), str(info.value)
 
 

@@ -11,11 +11,12 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.collect import Collector
-from exporter.http import App, accept_encoding_weights, gzip_preferred, serve
-from exporter.nvml import Nvml
-from exporter.procfs import ProcFs
-from exporter.sampler import Sampler
+from exporter.core.nvml import Nvml
+from exporter.core.procfs import ProcFs
+from exporter.exposition.metrics import render
+from exporter.sampling.collect import Collector
+from exporter.sampling.sampler import Sampler
+from exporter.web.routes import App, accept_encoding_weights, gzip_preferred, serve
 
 SCENARIO = """
 gpus:
@@ -49,13 +50,13 @@ def wait_for(predicate, timeout: float = 5.0) -> None:
 
 @pytest.fixture
 def agent(request) -> Iterator[Agent]:
-    from exporter.simulate import SimulatedDriver, parse_scenario
-    from exporter.yamlconf import parse_document
+    from exporter.config.yamlconf import parse_document
+    from exporter.simulate.driver import SimulatedDriver, parse_scenario
 
     text = getattr(request, "param", SCENARIO)
     driver = SimulatedDriver(parse_scenario(parse_document(text).root())).install()
     collector = Collector(Nvml(), ProcFs())
-    sampler = Sampler(collector, interval=0.1, deadline=0.2)
+    sampler = Sampler(collector, interval=0.1, deadline=0.2, render=render)
     server = serve(App(sampler), "127.0.0.1", 0)
     sampler.start()
     wait_for(lambda: sampler.latest is not None)
@@ -203,10 +204,10 @@ def test_bad_requests_get_clear_errors(agent, path, method, status, needle):
 @pytest.fixture
 def recommending(simulated, collector) -> Iterator[Agent]:
     """An agent with the action engine, over a sampled simulated host."""
-    from exporter.actions.scheduler import ActionEngine, ActionsConfig
+    from exporter.actions.engine import ActionEngine, ActionsConfig
 
     simulated(SCENARIO)
-    sampler = Sampler(collector, interval=60, deadline=60)
+    sampler = Sampler(collector, interval=60, deadline=60, render=render)
     sampler.sample_once()
     engine = ActionEngine(sampler, ActionsConfig(), ProcFs(), "/nonexistent")
     server = serve(App(sampler, engine), "127.0.0.1", 0)
@@ -267,11 +268,11 @@ def test_hung_sample_keeps_serving_reports_stale_and_recovers(agent):
 
 def test_no_route_calls_nvml_or_procfs(simulated, collector, clock, monkeypatch):
     """Scrapes, /snapshot and /recommend read the published Snapshot only."""
-    from exporter.actions.scheduler import ActionEngine, ActionsConfig
-    from exporter.procfs import ProcFs
+    from exporter.actions.engine import ActionEngine, ActionsConfig
+    from exporter.core.procfs import ProcFs
 
     driver = simulated(SCENARIO)
-    sampler = Sampler(collector, interval=60, deadline=60, monotonic=clock)
+    sampler = Sampler(collector, interval=60, deadline=60, monotonic=clock, render=render)
     sampler.sample_once()
     engine = ActionEngine(sampler, ActionsConfig(), ProcFs(), "/nonexistent")
     reads = []

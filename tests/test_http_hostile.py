@@ -20,9 +20,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-import exporter.server
-from exporter.http import App, Server, serve
-from exporter.sampler import Sampler
+import exporter.web.server
+from exporter.exposition.metrics import render
+from exporter.sampling.sampler import Sampler
+from exporter.web.routes import App, Server, serve
 from tests.test_http import Agent, wait_for
 
 SCENARIO = "gpus: [{name: GPU A}, {name: GPU B}]\n"
@@ -43,7 +44,7 @@ def no_tracebacks(capfd, caplog) -> Iterator[None]:
 def start(simulated, collector) -> Iterator[Callable[..., Server]]:
     """Start the real server over a sampled simulated host; closed after the test."""
     simulated(SCENARIO)
-    sampler = Sampler(collector, interval=60, deadline=60)
+    sampler = Sampler(collector, interval=60, deadline=60, render=render)
     sampler.sample_once()
     started: list[Server] = []
 
@@ -188,8 +189,8 @@ def test_huge_headers_get_431(server, extra, needle):
 
 # -- the head limits, exactly ---------------------------------------------------------------
 
-MAX_HEAD = exporter.server.MAX_HEAD
-MAX_LINE = exporter.server.MAX_REQUEST_LINE
+MAX_HEAD = exporter.web.server.MAX_HEAD
+MAX_LINE = exporter.web.server.MAX_REQUEST_LINE
 
 
 def head_of(size: int, target: str = "/metrics") -> bytes:
@@ -253,9 +254,9 @@ class ScriptedSocket:
         return chunk[:size]
 
 
-def read_scripted(chunks: list[bytes]) -> exporter.server.Request:
+def read_scripted(chunks: list[bytes]) -> exporter.web.server.Request:
     sock = ScriptedSocket(chunks)
-    return exporter.server.read_head(sock, time.monotonic() + 60)  # type: ignore[arg-type]
+    return exporter.web.server.read_head(sock, time.monotonic() + 60)  # type: ignore[arg-type]
 
 
 def by_bytes(data: bytes) -> list[bytes]:
@@ -268,7 +269,7 @@ def test_read_head_limit_is_exact_however_the_bytes_arrive(delivery):
     for size in (MAX_HEAD - 1, MAX_HEAD):
         body = b"x" * 20_000  # what follows the head is no part of it
         assert read_scripted(cut(head_of(size) + body)).target == "/metrics"
-    with pytest.raises(exporter.server.HttpError, match="request head over 65536") as refused:
+    with pytest.raises(exporter.web.server.HttpError, match="request head over 65536") as refused:
         read_scripted(cut(head_of(MAX_HEAD + 1)))
     assert refused.value.status.startswith("431 ")
 
@@ -277,8 +278,8 @@ def test_an_over_long_head_is_refused_before_its_end():
     """The head is refused once it is known to be too long, not when it ends (or never)."""
     head = head_of(MAX_HEAD + 1)
     sock = ScriptedSocket([head[:MAX_HEAD], head[MAX_HEAD:]])  # the last: the final LF
-    with pytest.raises(exporter.server.HttpError, match="request head over"):
-        exporter.server.read_head(sock, time.monotonic() + 60)  # type: ignore[arg-type]
+    with pytest.raises(exporter.web.server.HttpError, match="request head over"):
+        exporter.web.server.read_head(sock, time.monotonic() + 60)  # type: ignore[arg-type]
     assert sock.chunks == [b"\n"]
 
 
@@ -301,13 +302,13 @@ def test_request_and_header_line_limits_are_exact(delivery):
 
     at_limit = request_line_of(MAX_LINE) + b"\r\n\r\n"
     assert len(read_scripted(cut(at_limit)).target) == MAX_LINE - len("GET  HTTP/1.1")
-    with pytest.raises(exporter.server.HttpError, match="request line over") as refused:
+    with pytest.raises(exporter.web.server.HttpError, match="request line over") as refused:
         read_scripted(cut(request_line_of(MAX_LINE + 1) + b"\r\n\r\n"))
     assert refused.value.status.startswith("414 ")
-    header = b"X: " + b"a" * (exporter.server.MAX_HEADER_LINE - 3)
+    header = b"X: " + b"a" * (exporter.web.server.MAX_HEADER_LINE - 3)
     at_limit = header + b"\r\n\r\n"
     assert read_scripted([b"GET / HTTP/1.1\r\n", *cut(at_limit)]).headers[0][0] == "X"
-    with pytest.raises(exporter.server.HttpError, match="header line over") as refused:
+    with pytest.raises(exporter.web.server.HttpError, match="header line over") as refused:
         read_scripted([b"GET / HTTP/1.1\r\n", *cut(b"a" + at_limit)])
     assert refused.value.status.startswith("431 ")
 
@@ -436,7 +437,7 @@ def scrape(port: int) -> tuple[int, bytes]:
 
 
 def test_500_idle_connections_do_not_stop_a_scrape(start, many_files, monkeypatch):
-    monkeypatch.setattr(exporter.server, "HEAD_DEADLINE", 60.0)  # they stay open meanwhile
+    monkeypatch.setattr(exporter.web.server, "HEAD_DEADLINE", 60.0)  # they stay open meanwhile
     server = start()
     idle: list[socket.socket] = []
     try:
@@ -508,7 +509,7 @@ class Trickler(threading.Thread):
 
 
 def test_slowloris_clients_do_not_stop_scrapes_and_are_cut_at_the_head_deadline(start, monkeypatch):
-    monkeypatch.setattr(exporter.server, "HEAD_DEADLINE", 3.0)
+    monkeypatch.setattr(exporter.web.server, "HEAD_DEADLINE", 3.0)
     server = start()
     # A byte every 0.1 s: a per-read timeout of any length would never fire.
     slow = Trickler(server.port, 50, period=0.1, give_up=15)
@@ -530,7 +531,7 @@ def test_slowloris_clients_do_not_stop_scrapes_and_are_cut_at_the_head_deadline(
 
 
 def test_408_to_a_client_that_stops_mid_head(start, monkeypatch):
-    monkeypatch.setattr(exporter.server, "HEAD_DEADLINE", 0.5)
+    monkeypatch.setattr(exporter.web.server, "HEAD_DEADLINE", 0.5)
     server = start()
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
         sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
@@ -539,7 +540,7 @@ def test_408_to_a_client_that_stops_mid_head(start, monkeypatch):
 
 
 def test_connections_beyond_the_cap_are_closed_at_once(start, monkeypatch):
-    monkeypatch.setattr(exporter.server, "MAX_CONNECTIONS", 5)
+    monkeypatch.setattr(exporter.web.server, "MAX_CONNECTIONS", 5)
     server = start()
     idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(5)]
     try:
@@ -568,7 +569,7 @@ def pki(tmp_path_factory):
 
 
 def test_tls_client_that_never_handshakes_does_not_block_others(start, pki, monkeypatch):
-    monkeypatch.setattr(exporter.server, "HEAD_DEADLINE", 2.0)
+    monkeypatch.setattr(exporter.web.server, "HEAD_DEADLINE", 2.0)
     server = start(
         cert_file=pki["server.pem"], key_file=pki["server.key"], client_ca_file=pki["ca.pem"]
     )
@@ -597,7 +598,7 @@ def test_tls_client_that_never_handshakes_does_not_block_others(start, pki, monk
 
 def test_tls_handshake_sent_byte_by_byte_is_cut_at_the_deadline(start, pki, monkeypatch):
     """The head deadline covers the whole handshake, not each read of it."""
-    monkeypatch.setattr(exporter.server, "HEAD_DEADLINE", 1.0)
+    monkeypatch.setattr(exporter.web.server, "HEAD_DEADLINE", 1.0)
     server = start(cert_file=pki["server.pem"], key_file=pki["server.key"])
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     client = ssl.create_default_context(cafile=pki["ca.pem"]).wrap_bio(

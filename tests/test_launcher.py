@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from exporter.core.locks import LockError, held_locks, try_lock
+from exporter.core.snapshot import Gpu, GpuInfo
+from exporter.core.visible import visible_uuids
 from exporter.launcher.acquire import NoGpusAvailable
 from exporter.launcher.api import reserve, select_devices
-from exporter.launcher.locks import LockError, held_locks, try_lock
-from exporter.launcher.visible import visible_uuids
-from exporter.snapshot import Gpu, GpuInfo
 from tests.agent import clean_env, healthz_until, http_get, serve, stderr_of
 from tests.agent import exporter_cli as cli
 from tests.helpers import samples

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
+from exporter.core.locks import LockError, held_locks, open_lock_dir, try_lock
 from exporter.launcher.lineage import descendants
-from exporter.launcher.locks import LockError, held_locks, open_lock_dir, try_lock
 from tests.agent import clean_env
 from tests.agent import exporter_cli as cli
 from tests.test_launcher import NO_GPUS, RUN, TWO_GPUS

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from exporter.metrics import SelfStats, render, render_liveness
+from exporter.exposition.metrics import render, render_liveness
+from exporter.sampling.stats import SelfStats
 from tests.helpers import one, samples
 
 SCENARIO = """

@@ -1,4 +1,4 @@
-"""exporter.nvml on simulated drivers: version fallbacks, remembered gaps, failure classes."""
+"""exporter.core.nvml on simulated drivers: version fallbacks, remembered gaps, failure classes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pynvml
 import pytest
 
-from exporter.nvml import GpuFailed, Nvml, NvmlUnavailable, sm_peaks
+from exporter.core.nvml import GpuFailed, Nvml, NvmlUnavailable, sm_peaks
 
 ONE_GPU = """
 gpus:

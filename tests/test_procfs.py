@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.procfs import MAX_CMDLINE_BYTES, ProcFs, parse_cgroup
+from exporter.core.procfs import MAX_CMDLINE_BYTES, ProcFs, parse_cgroup
 
 BTIME = 1_700_000_000
 TICKS = os.sysconf("SC_CLK_TCK")

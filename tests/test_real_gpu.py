@@ -9,10 +9,11 @@ import time
 
 import pytest
 
-from exporter.collect import Collector
-from exporter.metrics import SelfStats, render
-from exporter.nvml import Nvml
-from exporter.procfs import ProcFs
+from exporter.core.nvml import Nvml
+from exporter.core.procfs import ProcFs
+from exporter.exposition.metrics import render
+from exporter.sampling.collect import Collector
+from exporter.sampling.stats import SelfStats
 
 
 def _real_nvml() -> bool:

@@ -19,8 +19,8 @@ import pytest
 
 from exporter.actions.audit import AuditLog
 from exporter.actions.reaper import CLASSES, ReaperConfig, ZombieReaper, parse_reaper
-from exporter.procfs import ProcFs
-from exporter.yamlconf import ConfigError, parse_document
+from exporter.config.yamlconf import ConfigError, parse_document
+from exporter.core.procfs import ProcFs
 
 BASE = 1.7e9  # the collector fixture's wall clock is BASE + the fake clock
 

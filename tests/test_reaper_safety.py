@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 
+from exporter.actions.engine import ActionEngine, parse_actions
 from exporter.actions.reaper import CLASSES, ReaperConfig, ZombieReaper
-from exporter.actions.scheduler import ActionEngine, parse_actions
-from exporter.collect import Collector
-from exporter.nvml import Nvml
-from exporter.procfs import ProcFs
-from exporter.sampler import Sampler
-from exporter.yamlconf import parse_document
+from exporter.config.yamlconf import parse_document
+from exporter.core.nvml import Nvml
+from exporter.core.procfs import ProcFs
+from exporter.sampling.collect import Collector
+from exporter.sampling.sampler import Sampler
 from tests.test_reaper import (
     alive,
     audit_lines,

@@ -8,18 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from exporter.actions.recommend import (
-    STRATEGIES,
-    Policy,
-    RecommendAction,
-    RecommendConfig,
-    Weights,
-    parse_recommend,
-    policy_with,
-    recommend,
-)
-from exporter.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, Snapshot
-from exporter.yamlconf import ConfigError, parse_document
+from exporter.actions.recommend import RecommendAction, RecommendConfig, parse_recommend
+from exporter.config.policies import policy_with
+from exporter.config.yamlconf import ConfigError, parse_document
+from exporter.core.selection import STRATEGIES, Policy, Weights, recommend
+from exporter.core.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, Snapshot
 
 GIB = 1024**3
 

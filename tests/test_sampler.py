@@ -7,13 +7,14 @@ import time
 
 import pytest
 
-from exporter.sampler import Sampler
+from exporter.exposition.metrics import render
+from exporter.sampling.sampler import Sampler
 from tests.agent import healthz_until, http_get, serve, stderr_of
 
 
 def test_history_ring_and_health(simulated, collector, clock):
     simulated("gpus: [{name: GPU A}]\n")
-    sampler = Sampler(collector, interval=5, deadline=2, history=3, monotonic=clock)
+    sampler = Sampler(collector, interval=5, deadline=2, history=3, monotonic=clock, render=render)
     assert sampler.health().reason == "no sample yet"
     for _ in range(5):
         sampler.sample_once()
@@ -29,7 +30,7 @@ def test_history_ring_and_health(simulated, collector, clock):
 
 def test_history_keeps_process_lists_only_on_the_latest(simulated, collector, clock):
     simulated("gpus: [{processes: [{pid: 4242, memory: 1GiB}]}]\n")
-    sampler = Sampler(collector, interval=5, deadline=2, history=3, monotonic=clock)
+    sampler = Sampler(collector, interval=5, deadline=2, history=3, monotonic=clock, render=render)
     for _ in range(4):
         sampler.sample_once()
         clock.advance(5)
@@ -42,7 +43,7 @@ def test_history_keeps_process_lists_only_on_the_latest(simulated, collector, cl
 
 def test_nvml_down_is_unhealthy_but_not_stale(simulated, collector, clock):
     simulated("driver: {errors: [{field: init, error: DriverNotLoaded}]}\ngpus: [{}]\n")
-    sampler = Sampler(collector, interval=5, deadline=5, monotonic=clock)
+    sampler = Sampler(collector, interval=5, deadline=5, monotonic=clock, render=render)
     sampler.sample_once()
     health = sampler.health()
     assert not health.ok and not health.stale
@@ -57,7 +58,7 @@ def test_sampler_survives_a_bug_in_a_sample(simulated, collector):
         calls.append(1)
         raise RuntimeError("bug")
 
-    sampler = Sampler(collector, interval=0.01, deadline=1)
+    sampler = Sampler(collector, interval=0.01, deadline=1, render=render)
     sampler.collector.sample = broken
     sampler.start()
     time.sleep(0.2)

@@ -28,15 +28,14 @@ from typing import Any
 
 import pytest
 
-from exporter import privileges
 from exporter.actions.audit import AuditLog
-from exporter.config import load_config
-from exporter.launcher import locks as locks_module
-from exporter.launcher.locks import LockError, default_lock_dir, held_locks, try_lock
-from exporter.yamlconf import ConfigError
+from exporter.config.yamlconf import ConfigError
+from exporter.core import locks as locks_module
+from exporter.core import privileges
+from exporter.core.locks import LockError, default_lock_dir, held_locks, try_lock
 from tests.agent import exporter_cli as cli
 from tests.agent import healthz_until, http_get, serve
-from tests.helpers import one, samples, write
+from tests.helpers import agent_config, one, samples, write
 from tests.test_reaper import (
     alive,
     audit_lines,
@@ -221,16 +220,16 @@ gpus:
 
 
 def test_expose_cmdline_setting(tmp_path: Path) -> None:
-    assert load_config(None, environ={}).expose_cmdline is False
+    assert agent_config(None, environ={}).expose_cmdline is False
     path = write(tmp_path, "expose_cmdline: true\n")
-    assert load_config(path, environ={}).expose_cmdline is True
+    assert agent_config(path, environ={}).expose_cmdline is True
     env = {"GPU_EXPORTER_EXPOSE_CMDLINE": "false"}
-    assert load_config(path, environ=env).expose_cmdline is False
-    assert load_config(path, {"expose_cmdline": "no"}, environ={}).expose_cmdline is False
-    assert load_config(None, {"expose_cmdline": "true"}, environ={}).expose_cmdline is True
+    assert agent_config(path, environ=env).expose_cmdline is False
+    assert agent_config(path, {"expose_cmdline": "no"}, environ={}).expose_cmdline is False
+    assert agent_config(None, {"expose_cmdline": "true"}, environ={}).expose_cmdline is True
     bad = write(tmp_path, "expose_cmdline: sometimes\n", "bad.yaml")
     with pytest.raises(ConfigError, match=r"bad.yaml:1.*expected true or false"):
-        load_config(bad, environ={})
+        agent_config(bad, environ={})
     result = cli("status", "--simulate", "--expose-cmdline", "maybe")
     assert result.returncode == 2
     assert "--expose-cmdline: expected true or false, got 'maybe'" in result.stderr
@@ -399,9 +398,9 @@ def test_the_agent_makes_each_gpus_lock_file_and_names_one_a_user_made(
 ) -> None:
     # Closes the gap above for good: the agent (root here) makes the lock files, so no user can
     # remove one while another user's job holds it; one a user made first is pointed out.
-    from exporter.collect import Collector
-    from exporter.nvml import Nvml
-    from exporter.procfs import ProcFs
+    from exporter.core.nvml import Nvml
+    from exporter.core.procfs import ProcFs
+    from exporter.sampling.collect import Collector
 
     locks = shared / "locks"
     other = "GPU-5ec0417e-0000-4000-8000-000000000002"
@@ -409,7 +408,7 @@ def test_the_agent_makes_each_gpus_lock_file_and_names_one_a_user_made(
     simulated(f"gpus: [{{uuid: {UUID}}}, {{uuid: {other}}}]\n")
     collector = Collector(Nvml(), ProcFs("/proc"), monotonic=clock, lock_dir=str(locks))
     try:
-        with caplog.at_level(logging.WARNING, logger="exporter.collect"):
+        with caplog.at_level(logging.WARNING, logger="exporter.sampling.collect"):
             collector.sample()
             collector.sample()  # once per GPU, not once per sample
     finally:

@@ -9,8 +9,8 @@ import time
 import pynvml
 import pytest
 
-from exporter.simulate import SimulatedDriver, Value, load_scenario, parse_scenario
-from exporter.yamlconf import ConfigError, parse_document
+from exporter.config.yamlconf import ConfigError, parse_document
+from exporter.simulate.driver import SimulatedDriver, Value, load_scenario, parse_scenario
 
 
 def parse(text: str):
@@ -105,7 +105,7 @@ def test_call_latency_is_paid_per_call():
 
 
 def test_spawned_processes_hold_their_device_and_orphans_lose_their_job():
-    from exporter.procfs import ProcFs, file_identity, scan_fd_holders
+    from exporter.core.procfs import ProcFs, file_identity, scan_fd_holders
 
     driver = SimulatedDriver(
         parse(

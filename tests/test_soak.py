@@ -22,6 +22,8 @@ from tests.helpers import load_script, pids_running
 REPO = Path(__file__).resolve().parent.parent
 SOAK = REPO / "bench" / "soak.py"
 
+pytestmark = pytest.mark.slow
+
 
 def _soak_processes() -> set[int]:
     """PIDs of processes that look like the soak's real processes (``sleep 604800``)."""

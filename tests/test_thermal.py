@@ -11,8 +11,8 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.actions.thermal import ThermalAction, ThermalConfig, parse_thermal
-from exporter.snapshot import CLOCK_EVENT_REASONS, Gpu, GpuInfo, HostInfo, Snapshot, frozen_map
-from exporter.yamlconf import ConfigError, Section, parse_document
+from exporter.config.yamlconf import ConfigError, Section, parse_document
+from exporter.core.snapshot import CLOCK_EVENT_REASONS, Gpu, GpuInfo, HostInfo, Snapshot, frozen_map
 
 T0 = 1.7e9
 LOGGER = "test.thermal"

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from exporter.collect import Collector
-from exporter.http import App, serve
-from exporter.nvml import Nvml
-from exporter.procfs import ProcFs
-from exporter.sampler import Sampler
+from exporter.core.nvml import Nvml
+from exporter.core.procfs import ProcFs
+from exporter.exposition.metrics import render
+from exporter.sampling.collect import Collector
+from exporter.sampling.sampler import Sampler
+from exporter.web.routes import App, serve
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
 
@@ -85,7 +86,7 @@ def pki(tmp_path):
 
 def _start(simulated, **tls):
     simulated("gpus: [{name: GPU A}]\n")
-    sampler = Sampler(Collector(Nvml(), ProcFs()), interval=1, deadline=1)
+    sampler = Sampler(Collector(Nvml(), ProcFs()), interval=1, deadline=1, render=render)
     sampler.sample_once()
     return serve(App(sampler), "127.0.0.1", 0, **tls)
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from exporter.units import (
+from exporter.core.units import (
     MAX_DURATION,
     MAX_SIZE,
     format_bytes,

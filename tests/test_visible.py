@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter.launcher.visible import check_well_formed, visible_uuids
-from exporter.snapshot import Gpu, GpuInfo
+from exporter.core.snapshot import Gpu, GpuInfo
+from exporter.core.visible import check_well_formed, visible_uuids
 from tests.agent import clean_env, healthz_until, serve
 from tests.agent import exporter_cli as cli
 

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from prometheus_client.core import Metric
 
-from exporter.snapshot import Snapshot
+from exporter.core.snapshot import Snapshot
 
 
 class Action(abc.ABC):

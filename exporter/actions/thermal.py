@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from exporter.actions.base import Action
-from exporter.metrics import GPU_LABELS
-from exporter.snapshot import Gpu, Snapshot
-from exporter.validate import celsius, duration, non_negative, positive, ratio
-from exporter.yamlconf import Section
+from exporter.config.validate import celsius, duration, non_negative, positive, ratio
+from exporter.config.yamlconf import Section
+from exporter.core.snapshot import Gpu, Snapshot
+from exporter.exposition.metrics import GPU_LABELS
 
 LEVEL_NAMES = ("ok", "warning", "critical")
 DEFAULT_WARNING_CELSIUS = 80.0

@@ -15,13 +15,13 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
-from exporter.actions.recommend import Policy, Recommendation, recommend
-from exporter.collect import Collector
-from exporter.launcher.locks import LockDir, LockError, Reservation, try_lock
-from exporter.launcher.visible import visible_uuids
-from exporter.nvml import Nvml
-from exporter.procfs import ProcFs
-from exporter.snapshot import Snapshot
+from exporter.core.locks import LockDir, LockError, Reservation, try_lock
+from exporter.core.nvml import Nvml
+from exporter.core.procfs import ProcFs
+from exporter.core.selection import Policy, Recommendation, recommend
+from exporter.core.snapshot import Snapshot
+from exporter.core.visible import visible_uuids
+from exporter.sampling.collect import Collector
 
 #: Exit status when fewer GPUs than asked for are available now (EX_TEMPFAIL: try again later).
 EXIT_NO_GPUS = 75
@@ -94,7 +94,7 @@ class LocalGpus:
 
     def __enter__(self) -> LocalGpus:
         if self.simulate:
-            from exporter.simulate import simulate
+            from exporter.simulate.driver import simulate
 
             self._driver = simulate(self.simulate)
         # The Collector reads locks through held_locks and provision, which take either kind.

@@ -18,12 +18,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from exporter.actions.recommend import Policy, policy_with
-from exporter.config import load_config
+from exporter.config.policies import policy_with, recommend_policies
+from exporter.config.settings import load_config
+from exporter.core.locks import default_lock_dir, open_lock_dir
+from exporter.core.selection import Policy
+from exporter.core.units import parse_duration
 from exporter.launcher.acquire import Device, LocalGpus, acquire, choose, devices
-from exporter.launcher.locks import default_lock_dir, open_lock_dir
 from exporter.launcher.run import job_environment
-from exporter.units import parse_duration
 
 __all__ = ["Device", "policy_for", "reserve", "select_devices"]
 
@@ -40,7 +41,7 @@ def policy_for(
     strategy: str | None = None,
 ) -> Policy:
     """The named policy (from ``config``'s ``actions.recommend.policies``) with overrides."""
-    policies = load_config(config).actions.actions["recommend"].options.policies
+    policies = load_config(config, actions=recommend_policies).actions
     if policy not in policies:
         raise ValueError(f"no policy {policy!r} (known: {', '.join(sorted(policies))})")
     changes = {  # as strings, so they are checked exactly as the command line's flags are

@@ -18,8 +18,11 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from exporter.actions.recommend import Policy, Recommendation, policy_with
-from exporter.config import Config
+from exporter.config.policies import policy_with
+from exporter.config.settings import Config
+from exporter.core.locks import LockError, default_lock_dir, open_lock_dir
+from exporter.core.selection import Policy, Recommendation
+from exporter.core.units import parse_duration
 from exporter.launcher.acquire import (
     EXIT_NO_GPUS,
     EXIT_WAIT_TIMEOUT,
@@ -31,9 +34,11 @@ from exporter.launcher.acquire import (
     choose,
     explain,
 )
-from exporter.launcher.locks import LockError, default_lock_dir, open_lock_dir
 from exporter.launcher.run import RESTART_POLICIES, RunOptions, Supervisor, job_environment
-from exporter.units import parse_duration
+
+#: The settings the launcher reads: the agent's, with only the recommendation policies of
+#: ``actions:`` (see ``config.policies.recommend_policies``).
+LauncherConfig = Config[Mapping[str, Policy]]
 
 EXIT_FAILURE, EXIT_USAGE = 1, 2
 FORMATS = ("uuid", "index", "json", "env")
@@ -64,8 +69,8 @@ def add_selection_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _policy(config: Config, args: argparse.Namespace) -> Policy:
-    policies = config.actions.actions["recommend"].options.policies
+def _policy(config: LauncherConfig, args: argparse.Namespace) -> Policy:
+    policies = config.actions
     if args.policy not in policies:
         known = ", ".join(sorted(policies))
         raise UsageError(f"--policy: no policy {args.policy!r} (known: {known})")
@@ -92,7 +97,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, str]:
     return overrides
 
 
-def _lock_dir(config: Config) -> str:
+def _lock_dir(config: LauncherConfig) -> str:
     try:
         return config.lock_dir or default_lock_dir()
     except LockError as exc:
@@ -116,7 +121,7 @@ def _print_choice(recommendation: Recommendation, fmt: str, cuda_ids: Mapping[st
             print(f"export {key}={value}")
 
 
-def cmd_recommend(args: argparse.Namespace, config: Config) -> int:
+def cmd_recommend(args: argparse.Namespace, config: LauncherConfig) -> int:
     """Print the GPUs to use, or why there are not enough (exit 75)."""
     if args.format not in FORMATS:
         raise UsageError(f"--format: one of {', '.join(FORMATS)}, got {args.format!r}")
@@ -168,7 +173,7 @@ def _from_agent(
 def _recommendation_from_json(data: dict[str, Any]) -> Recommendation:
     from types import MappingProxyType
 
-    from exporter.actions.recommend import Choice
+    from exporter.core.selection import Choice
 
     def choices(items: list[dict[str, Any]]) -> tuple[Choice, ...]:
         return tuple(Choice(c["index"], c["uuid"], c["score"]) for c in items)
@@ -187,7 +192,7 @@ def _recommendation_from_json(data: dict[str, Any]) -> Recommendation:
     )
 
 
-def cmd_run(args: argparse.Namespace, config: Config) -> int:
+def cmd_run(args: argparse.Namespace, config: LauncherConfig) -> int:
     """Lock GPUs, run the job on them, pass its exit status on."""
     command = list(args.job)
     if command and command[0] == "--":
@@ -256,7 +261,7 @@ def add_parsers(commands: Any, add_settings: Callable[[argparse.ArgumentParser],
     run.add_argument("job", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
 
 
-def handle(name: str, args: argparse.Namespace, config: Config) -> int:
+def handle(name: str, args: argparse.Namespace, config: LauncherConfig) -> int:
     """Run ``recommend`` or ``run``, turning failures into a one-line message and exit code."""
     handler = {"recommend": cmd_recommend, "run": cmd_run}[name]
     try:

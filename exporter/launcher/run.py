@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
 
+from exporter.core.locks import SUFFIX as LOCK_SUFFIX
+from exporter.core.locks import Reservation
+from exporter.core.procfs import file_identity, scan_fd_holders
 from exporter.launcher.acquire import Device, LocalGpus
 from exporter.launcher.lineage import children, descendants, set_subreaper
-from exporter.launcher.locks import SUFFIX as LOCK_SUFFIX
-from exporter.launcher.locks import Reservation
-from exporter.procfs import file_identity, scan_fd_holders
 
 RESTART_POLICIES = ("never", "on-failure", "always")
 #: Backoff before restart N (N from 1) is min(BACKOFF_INITIAL * 2**(N-1), BACKOFF_MAX) seconds.
@@ -61,8 +61,11 @@ class _CannotStart(Exception):
 
 
 class _Identified(Protocol):
-    index: int
-    uuid: str
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def uuid(self) -> str: ...
 
 
 def job_environment(devices: Sequence[_Identified]) -> dict[str, str]:
@@ -264,7 +267,7 @@ class Supervisor:
                 gpu = by_uuid.get(uuid)
                 if gpu is None or not gpu.up:
                     return f"GPU {uuid} is down or lost ({gpu.error if gpu else 'gone'})"
-            holders, _ = scan_fd_holders(self.gpus.proc_root, locks, (LOCK_SUFFIX,))  # type: ignore[arg-type]
+            holders, _ = scan_fd_holders(self.gpus.proc_root, locks, (LOCK_SUFFIX,))
             left = holders.get("job", set()) - {os.getpid()}
             job |= left  # every process seen holding the job's locks is the job's
             listed = [p.pid for u in mine for p in by_uuid[u].processes or () if p.pid in job]

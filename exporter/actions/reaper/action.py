@@ -41,15 +41,15 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from exporter import privileges
 from exporter.actions.audit import AuditLog
 from exporter.actions.base import Action
 from exporter.actions.reaper.config import CLASSES, ReaperConfig
 from exporter.actions.reaper.evidence import JobEnd, JobWatch, pidfd_exited
-from exporter.launcher.locks import SUFFIX as LOCK_SUFFIX
-from exporter.metrics import GPU_LABELS
-from exporter.procfs import Credentials, ProcessInfo, ProcFs, file_identity, scan_fd_holders
-from exporter.snapshot import Gpu, GpuProcess, Snapshot
+from exporter.core import privileges
+from exporter.core.locks import SUFFIX as LOCK_SUFFIX
+from exporter.core.procfs import Credentials, ProcessInfo, ProcFs, file_identity, scan_fd_holders
+from exporter.core.snapshot import Gpu, GpuProcess, Snapshot
+from exporter.exposition.metrics import GPU_LABELS
 
 log = logging.getLogger(__name__)
 
@@ -396,7 +396,7 @@ class ZombieReaper(Action):
         """True when the process, or one of its ancestors, holds a launcher lock: its job is
         still supervised (``gpu-exporter run`` is a subreaper: a ``spawn`` worker whose job's
         main process died is re-parented to it, holding no lock itself)."""
-        pid, seen = info.pid, set()
+        pid, seen = info.pid, set[int]()
         while pid > 1 and pid not in seen and len(seen) < 64:
             if pid in self._locked:
                 return True
@@ -685,7 +685,7 @@ class ZombieReaper(Action):
             labels=[],
         )
         audit.add_metric([], self.audit.failures)
-        caps = privileges.capability_family(self._caps)
+        caps = _capability_family(self._caps)
         found = [actions, caps, audit]
         return [zombies, *found] if self._counts is not None else found
 
@@ -700,3 +700,17 @@ class ZombieReaper(Action):
         self._pending.clear()
         self._watch.close()
         self.audit.close()
+
+
+def _capability_family(caps: frozenset[str] | None) -> GaugeMetricFamily:
+    """``gpu_exporter_capability{name}``: 1 when the capability is in the effective set."""
+    family = GaugeMetricFamily(
+        "gpu_exporter_capability",
+        "1 when the agent has the capability in its effective set (those the zombie reaper "
+        "needs), else 0.",
+        labels=["name"],
+    )
+    if caps is not None:
+        for name in sorted(privileges.CAPABILITIES):
+            family.add_metric([name], 1.0 if name in caps else 0.0)
+    return family

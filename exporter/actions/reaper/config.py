@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from exporter.validate import boolean, duration, positive_duration, size, string_list, whole
-from exporter.yamlconf import Section
+from exporter.config.validate import boolean, duration, positive_duration, size, string_list, whole
+from exporter.config.yamlconf import Section
 
 CLASSES = ("orphan", "defunct", "uninterruptible", "unverifiable", "leaked")
 #: The classes a signal can be sent to: only an orphan's evidence is conclusive (see evidence).

@@ -18,15 +18,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import select
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from exporter.procfs import ProcessInfo
+from exporter.core.procfs import ProcessInfo
 
-#: At most this many processes are watched (each holds one pidfd); past it, new processes are
-#: not watched, so they can never be evidence (the safe side).
+#: At most this many processes are watched (each holds one pidfd), and never more than a quarter
+#: of the descriptors the agent may open; past it, new processes are not watched, so they can
+#: never be evidence (the safe side).
 MAX_WATCHED = 4096
+
+
+def _watch_limit() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_WATCHED if soft == resource.RLIM_INFINITY else max(0, min(MAX_WATCHED, soft // 4))
 
 
 def pidfd_exited(pidfd: int) -> bool:
@@ -74,11 +81,11 @@ class JobWatch:
         *,
         open_pidfd: Callable[[int], int] = os.pidfd_open,
         exited: Callable[[int], bool] = pidfd_exited,
-        limit: int = MAX_WATCHED,
+        limit: int | None = None,
     ) -> None:
         self._open_pidfd = open_pidfd
         self._exited = exited
-        self._limit = limit
+        self._limit = _watch_limit() if limit is None else limit
         self._watched: dict[tuple[int, int], Watched] = {}
         self.full = False  # the limit was reached at the last run
 
@@ -136,7 +143,7 @@ class JobWatch:
 
     def _prune(self, current: set[tuple[int, int]]) -> None:
         """Keep what is seen now and the job processes that the processes seen now refer to."""
-        referenced = set()
+        referenced: set[int] = set()
         for key in current:
             watched = self._watched.get(key)
             if watched is not None:

@@ -24,21 +24,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from exporter.actions.base import Action
 from exporter.actions.cron import cron_trigger
 from exporter.actions.reaper import ReaperConfig, ZombieReaper, parse_reaper
-from exporter.actions.recommend import (
-    Policy,
-    RecommendAction,
-    Recommendation,
-    RecommendConfig,
-    parse_recommend,
-    policy_with,
-    recommend,
-)
+from exporter.actions.recommend import RecommendAction, RecommendConfig, parse_recommend
 from exporter.actions.thermal import ThermalAction, ThermalConfig, parse_thermal
-from exporter.metrics import render_families
-from exporter.procfs import ProcFs
-from exporter.sampler import Sampler
-from exporter.validate import boolean, positive_duration
-from exporter.yamlconf import Section
+from exporter.config.policies import policy_with
+from exporter.config.validate import boolean, positive_duration
+from exporter.config.yamlconf import Section
+from exporter.core.procfs import ProcFs
+from exporter.core.selection import Policy, Recommendation, recommend
+from exporter.exposition.metrics import render_families
+from exporter.sampling.sampler import Sampler
 
 log = logging.getLogger(__name__)
 

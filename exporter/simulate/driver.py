@@ -1,7 +1,8 @@
 """Simulated GPUs: a scenario file becomes fake pynvml functions.
 
 :class:`SimulatedDriver` replaces the functions of the ``pynvml`` module itself, raising pynvml's
-own error classes, so the project's NVML module (``exporter.nvml``) runs unchanged on top of it.
+own error classes, so the project's NVML module (``exporter.core.nvml``) runs unchanged on top
+of it.
 Every pynvml function the simulation does not implement raises ``NVMLError_FunctionNotFound``,
 like a driver that lacks it. The scenario format is documented in ``docs/simulate.md``.
 """
@@ -24,14 +25,14 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any
+from typing import Any, NoReturn
 
 import pynvml
 
-from exporter.snapshot import CLOCK_EVENT_REASONS
-from exporter.units import parse_duration, parse_size
-from exporter.validate import boolean, number, ratio, whole
-from exporter.yamlconf import ConfigError, Section, load_document, parse_document
+from exporter.config.validate import boolean, number, ratio, whole
+from exporter.config.yamlconf import ConfigError, Section, load_document, parse_document
+from exporter.core.snapshot import CLOCK_EVENT_REASONS
+from exporter.core.units import parse_duration, parse_size
 
 #: Fields a scenario can mark unsupported or inject errors into, and the functions behind them.
 FIELD_FUNCTIONS: dict[str, tuple[str, ...]] = {
@@ -381,10 +382,14 @@ def _gpu(section: Section, index: int) -> SimGpu:
         return sum(_REASON_BITS[item] for item in set(raw))
 
     thresholds_section = section.section("thresholds")
-    thresholds = {
-        key: thresholds_section.get(key, lambda raw: None if raw is None else number(raw), default)
-        for key, default in _DEFAULT_THRESHOLDS.items()
-    }
+
+    def threshold(raw: Any) -> float | None:
+        return None if raw is None else number(raw)
+
+    thresholds: dict[str, float | None] = {}
+    for key, fallback in _DEFAULT_THRESHOLDS.items():
+        default: float | None = fallback
+        thresholds[key] = thresholds_section.get(key, threshold, default)
     thresholds_section.done()
     clocks_section = section.section("clocks_mhz")
     clocks = {
@@ -499,7 +504,7 @@ def _unimplemented(raw: Any) -> str:
     return str(raw)
 
 
-def _raise(name: str) -> None:
+def _raise(name: str) -> NoReturn:
     raise getattr(pynvml, f"NVMLError_{name}")()
 
 
@@ -509,7 +514,7 @@ def _c_symbols(
     """C-style stand-ins for the NVML symbols some tools call directly: they fill the ctypes
     out-parameters from the Python fakes and return NVML return codes instead of raising."""
 
-    def c_call(fill: Callable[..., None]) -> Callable[..., int]:
+    def c_call(fill: Callable[..., int | None]) -> Callable[..., int]:
         def symbol(*args: Any) -> int:
             try:
                 return fill(*args) or pynvml.NVML_SUCCESS

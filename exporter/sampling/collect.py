@@ -12,11 +12,11 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from exporter.activity import IdleTimes
-from exporter.launcher.locks import LockError, held_locks, provision
-from exporter.nvml import GpuFailed, Nvml, NvmlProcess, NvmlUnavailable
-from exporter.procfs import ProcessInfo, ProcFs
-from exporter.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, SampleError, Snapshot
+from exporter.core.activity import IdleTimes
+from exporter.core.locks import LockError, held_locks, provision
+from exporter.core.nvml import GpuFailed, Nvml, NvmlProcess, NvmlUnavailable
+from exporter.core.procfs import ProcessInfo, ProcFs
+from exporter.core.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, SampleError, Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from exporter.units import (
+from exporter.core.units import (
     MAX_DURATION,
     MAX_SIZE,
     format_duration,

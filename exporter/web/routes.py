@@ -1,7 +1,7 @@
 """HTTP routes over the latest Snapshot: ``/metrics``, ``/healthz``, ``/snapshot`` and ``/``.
 
 No route calls NVML or procfs: they read ``sampler.latest``. The server is
-``exporter.server``: a thread per connection, deadlines and limits against hostile clients, TLS
+``exporter.web.server``: a thread per connection, deadlines and limits against hostile clients, TLS
 and client-certificate authentication.
 """
 
@@ -11,19 +11,34 @@ import gzip
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs
 
 from exporter import __version__
-from exporter.launcher.visible import check_well_formed, visible_uuids
-from exporter.metrics import CONTENT_TYPE, render_liveness
-from exporter.sampler import Sampler
-from exporter.server import HttpServer, tls_context
+from exporter.core.selection import Policy, Recommendation
+from exporter.core.visible import check_well_formed, visible_uuids
+from exporter.exposition.metrics import CONTENT_TYPE, render_liveness
+from exporter.sampling.sampler import Sampler
+from exporter.web.server import HttpServer, tls_context
 
-if TYPE_CHECKING:
-    from exporter.actions.scheduler import ActionEngine
+
+class Actions(Protocol):
+    """What the routes need of the action engine (web never imports actions: the composition
+    root hands the engine in)."""
+
+    def exposition(self) -> bytes:
+        """The actions' metrics as rendered after their last runs."""
+
+    def policies(self) -> Mapping[str, Policy]:
+        """The configured recommendation policies by name."""
+
+    def recommend(
+        self, policy_name: str, params: Mapping[str, str], visible: Collection[str] | None = None
+    ) -> Recommendation:
+        """Recommend now under a known policy with overrides; ValueError for a bad one."""
+
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +87,7 @@ def _text(status: str, message: str) -> Response:
 class App:
     """The WSGI application; every route reads the sampler's latest publication."""
 
-    def __init__(self, sampler: Sampler, engine: ActionEngine | None = None) -> None:
+    def __init__(self, sampler: Sampler, engine: Actions | None = None) -> None:
         self.sampler = sampler
         self.engine = engine
         self._routes: dict[

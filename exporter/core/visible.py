@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from exporter.snapshot import Gpu
+from exporter.core.snapshot import Gpu
 
 #: Stripped from each entry: ASCII whitespace only (str.strip() would also drop U+00A0 and kin).
 _SPACE = " \t\n\r\f\v"

@@ -143,10 +143,10 @@ def parse_request_line(request_line: bytes) -> Request:
         raise HttpError("400 Bad Request", "malformed request target")
     if target[:8].lower().startswith(("http://", "https://")):  # absolute form
         try:
-            parts = urlsplit(target)
+            absolute = urlsplit(target)
         except ValueError:  # a bad IPv6 literal, a bad port
             raise HttpError("400 Bad Request", "malformed request target") from None
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        target = (absolute.path or "/") + (f"?{absolute.query}" if absolute.query else "")
     return Request(method, target, version)
 
 

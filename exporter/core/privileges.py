@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client.core import GaugeMetricFamily
-
 #: The capabilities the zombie reaper may need, with their numbers (linux/capability.h).
 CAPABILITIES = {
     "CAP_DAC_OVERRIDE": 1,
@@ -62,17 +60,3 @@ def reaper_warnings(dry_run: bool, caps: frozenset[str] | None) -> list[str]:
             f"never signalled; grant {' and '.join(READ_FDS)} (docs/deploy.md)"
         )
     return lines
-
-
-def capability_family(caps: frozenset[str] | None) -> GaugeMetricFamily:
-    """``gpu_exporter_capability{name}``: 1 when the capability is in the effective set."""
-    family = GaugeMetricFamily(
-        "gpu_exporter_capability",
-        "1 when the agent has the capability in its effective set (those the zombie reaper "
-        "needs), else 0.",
-        labels=["name"],
-    )
-    if caps is not None:
-        for name in sorted(CAPABILITIES):
-            family.add_metric([name], 1.0 if name in caps else 0.0)
-    return family

@@ -11,11 +11,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from exporter.actions.scheduler import ActionsConfig, parse_actions
-from exporter.validate import duration_between
-from exporter.yamlconf import ConfigError, Section, load_document
+from exporter.config.validate import duration_between
+from exporter.config.yamlconf import ConfigError, Section, load_document, parse_document
+
+#: What the ``actions:`` section parses to: the agent's action settings, or (for the launcher)
+#: just the recommendation policies. The parser is handed in, so config never imports actions.
+A = TypeVar("A")
 
 DEFAULT_PORT = 9402
 BUILTIN_SCENARIO = "builtin"
@@ -35,8 +38,8 @@ class Listen:
 
 
 @dataclass(frozen=True)
-class Config:
-    """Validated settings of one agent."""
+class Config(Generic[A]):
+    """Validated settings of one agent; ``actions`` as the caller's parser made them."""
 
     listen: Listen
     interval: float
@@ -50,7 +53,7 @@ class Config:
     tls_key_file: str | None
     tls_client_ca_file: str | None
     history: int
-    actions: ActionsConfig
+    actions: A
     expose_cmdline: bool = False  # command lines in /snapshot and status (they may hold secrets)
 
 
@@ -96,13 +99,7 @@ def _simulate(value: Any) -> str | None:
     path = str(value)
     if not os.path.exists(path):  # the scenario loader refuses what is not a regular file
         raise ValueError(f"scenario file {path!r} does not exist")
-    from exporter.simulate import load_scenario  # only configs that simulate pay for it
-
-    try:  # a broken scenario fails check-config too, with its own file:line
-        load_scenario(path)
-    except ConfigError as exc:  # after the flag, variable or file:line that named the file
-        raise ValueError(str(exc)) from None
-    return path
+    return path  # its contents: load_config's ``scenario`` check
 
 
 def _directory(value: Any) -> str:
@@ -232,7 +229,12 @@ SETTINGS: tuple[Setting, ...] = (
 BY_KEY = {setting.key: setting for setting in SETTINGS}
 
 
-def _from_file(path: str) -> tuple[dict[str, tuple[Any, str]], ActionsConfig]:
+def skip_actions(section: Section) -> None:
+    """An ``actions:`` parser for callers that use none of it (the section is not checked)."""
+    del section
+
+
+def _from_file(path: str, actions: Callable[[Section], A]) -> tuple[dict[str, tuple[Any, str]], A]:
     """Each setting the file sets, as (value, file:line), and the actions."""
     doc = load_document(path)
     root = doc.root()
@@ -248,27 +250,37 @@ def _from_file(path: str) -> tuple[dict[str, tuple[Any, str]], ActionsConfig]:
             values[setting.key] = (section.get(name, setting.parse), where)
         else:
             section.get(name, str, None)  # known, absent
-    actions = parse_actions(root.section("actions"))
+    parsed = actions(root.section("actions"))
     for section in sections.values():
         section.done()
-    return values, actions
+    return values, parsed
 
 
 def load_config(
     path: str | None,
     flags: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
-) -> Config:
-    """Merge defaults, the file at ``path``, ``environ`` and ``flags`` (by setting key)."""
+    *,
+    actions: Callable[[Section], A],
+    scenario: Callable[[str], object] | None = None,
+) -> Config[A]:
+    """Merge defaults, the file at ``path``, ``environ`` and ``flags`` (by setting key).
+
+    ``actions`` parses the ``actions:`` section (an empty one without a file); ``scenario``,
+    when given, checks a scenario file named by ``simulate`` (raising ConfigError).
+    """
     environ = os.environ if environ is None else environ
     flags = flags or {}
-    values = {s.key: s.parse(s.default) if s.default is not None else None for s in SETTINGS}
+    values: dict[str, Any] = {
+        s.key: s.parse(s.default) if s.default is not None else None for s in SETTINGS
+    }
     origin = {s.key: "default" for s in SETTINGS}  # where each value came from, for errors
-    actions = ActionsConfig()
     if path:
-        from_file, actions = _from_file(path)
+        from_file, parsed = _from_file(path, actions)
         for key, (value, where) in from_file.items():
             values[key], origin[key] = value, where
+    else:
+        parsed = actions(parse_document("{}", "defaults").root().section("actions"))
     for setting in SETTINGS:
         if setting.env in environ:
             origin[setting.key] = f"environment variable {setting.env}"
@@ -286,6 +298,11 @@ def load_config(
             raise ConfigError(
                 origin[given], given, f"needs {needed} too (flag {BY_KEY[needed].flag})"
             )
+    if scenario is not None and values["simulate"] not in (None, BUILTIN_SCENARIO):
+        try:  # a broken scenario fails check-config too, with its own file:line
+            scenario(values["simulate"])
+        except ConfigError as exc:  # after the flag, variable or file:line that named it
+            raise ConfigError(origin["simulate"], "simulate", str(exc)) from None
     return Config(
         listen=values["listen"],
         interval=values["interval"],
@@ -299,7 +316,7 @@ def load_config(
         tls_key_file=values["tls.key_file"],
         tls_client_ca_file=values["tls.client_ca_file"],
         history=values["history"],
-        actions=actions,
+        actions=parsed,
         expose_cmdline=values["expose_cmdline"],
     )
 

@@ -14,16 +14,21 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from exporter.collect import Collector
-from exporter.metrics import SelfStats, render
-from exporter.snapshot import Snapshot
+from exporter.core.snapshot import Snapshot
+from exporter.sampling.collect import Collector
+from exporter.sampling.stats import SelfStats
+
+#: Renders a Snapshot (and the agent's counters) into what scrapes are served: exposition's
+#: ``render``, handed in by the composition root so that sampling never imports exposition.
+Renderer = Callable[[Snapshot, SelfStats], bytes]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Published:
-    """A Snapshot with its exposition text, rendered once when it was published."""
+    """A Snapshot with its exposition text, rendered once when it was published (empty without
+    a renderer)."""
 
     snapshot: Snapshot
     exposition: bytes
@@ -50,8 +55,10 @@ class Sampler:
         deadline: float,
         history: int = 120,
         monotonic: Callable[[], float] = time.monotonic,
+        render: Renderer | None = None,
     ) -> None:
         self.collector = collector
+        self._render = render
         self.interval = interval
         self.deadline = deadline
         self.stats = SelfStats(interval_seconds=interval)
@@ -88,7 +95,8 @@ class Sampler:
                 snapshot.duration_seconds,
                 self.deadline,
             )
-        published = Published(snapshot, render(snapshot, self.stats))
+        exposition = self._render(snapshot, self.stats) if self._render is not None else b""
+        published = Published(snapshot, exposition)
         with self._history_lock:  # readers never see the trimmed previous one as the latest
             if self._history:
                 self._history[-1] = self._history[-1].without_processes()

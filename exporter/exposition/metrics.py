@@ -10,13 +10,13 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 
 from exporter import __version__
-from exporter.snapshot import Gpu, GpuProcess, Snapshot
+from exporter.core.snapshot import Gpu, GpuProcess, Snapshot
+from exporter.sampling.stats import SelfStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 GPU_LABELS = ["gpu", "uuid"]
@@ -31,25 +31,8 @@ INFO_LABELS = [
     "cuda_version",
 ]
 PROCESS_LABELS = ["gpu", "uuid", "pid", "user", "process", "type"]
-
-
-@dataclass
-class SelfStats:
-    """The agent's own counters, kept by the sampler across samples."""
-
-    interval_seconds: float
-    samples_total: int = 0
-    deadline_exceeded_total: int = 0
-    errors_total: dict[tuple[str, str], int] = field(default_factory=dict)
-
-    def count(self, snapshot: Snapshot, deadline: float) -> None:
-        """Add one finished sample to the counters."""
-        self.samples_total += 1
-        if snapshot.duration_seconds > deadline:
-            self.deadline_exceeded_total += 1
-        for error in snapshot.errors:
-            key = (error.source, error.error)
-            self.errors_total[key] = self.errors_total.get(key, 0) + 1
+#: The metric families that take series (prometheus_client's Metric base class does not).
+Family = GaugeMetricFamily | CounterMetricFamily
 
 
 class _Families:
@@ -75,7 +58,7 @@ def _counter(name: str, doc: str, labels: list[str] | None = None) -> CounterMet
     return CounterMetricFamily(name, doc, labels=GPU_LABELS if labels is None else labels)
 
 
-def _per_gpu(gpus: Iterable[Gpu], family: Metric, value: Callable[[Gpu], float | None]) -> Metric:
+def _per_gpu(gpus: Iterable[Gpu], family: Family, value: Callable[[Gpu], float | None]) -> Family:
     """One series per GPU; a GPU whose value is None has none."""
     for gpu in gpus:
         number = value(gpu)
@@ -85,8 +68,8 @@ def _per_gpu(gpus: Iterable[Gpu], family: Metric, value: Callable[[Gpu], float |
 
 
 def _per_gpu_by(
-    gpus: Iterable[Gpu], family: Metric, values: Callable[[Gpu], Iterable[tuple[str, float]]]
-) -> Metric:
+    gpus: Iterable[Gpu], family: Family, values: Callable[[Gpu], Iterable[tuple[str, float]]]
+) -> Family:
     """One series per GPU and extra label value (clock, threshold, reason, type)."""
     for gpu in gpus:
         for label, value in values(gpu):
@@ -271,8 +254,8 @@ def gpu_families(snapshot: Snapshot) -> list[Metric]:
 
 
 def _per_process(
-    gpus: list[Gpu], family: Metric, value: Callable[[GpuProcess], float | None]
-) -> Metric:
+    gpus: list[Gpu], family: Family, value: Callable[[GpuProcess], float | None]
+) -> Family:
     """One series per process (and type) on each GPU; a process whose value is None has none."""
     for gpu in gpus:
         for proc in gpu.processes or ():

@@ -3,8 +3,8 @@
 Every call goes through :meth:`Nvml.call`, which serialises calls (concurrent NVML calls have
 crashed drivers) and counts them. Functions the driver lacks and fields a GPU does not support are
 remembered, so they are not retried every sample; versioned calls fall back to older versions.
-The simulator (``exporter.simulate``) replaces pynvml's functions underneath this module, so this
-is the code that runs on real GPUs and in every test alike.
+The simulator (``exporter.simulate.driver``) replaces pynvml's functions underneath this
+module, so this is the code that runs on real GPUs and in every test alike.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import pynvml
 
-from exporter.snapshot import Gpu, GpuInfo, HostInfo, SampleError, frozen_map
+from exporter.core.snapshot import Gpu, GpuInfo, HostInfo, SampleError, frozen_map
 
 log = logging.getLogger(__name__)
 

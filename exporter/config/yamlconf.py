@@ -92,7 +92,8 @@ def _build(
         why = f"nested more than {MAX_DEPTH} levels deep (an alias inside itself?)"
         raise ConfigError(f"?:{line}", "", why)
     doc_lines[keys] = line
-    if type(node) in _COLLECTION_TAGS and node.tag != _COLLECTION_TAGS[type(node)]:
+    expected = _COLLECTION_TAGS.get(type(node)) if isinstance(node, yaml.CollectionNode) else None
+    if expected is not None and node.tag != expected:
         raise ConfigError(f"?:{line}", _dotted(keys), f"unsupported tag {node.tag!r}")
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
@@ -202,9 +203,9 @@ def parse_document(text: str, path: str = "<string>") -> Document:
         ) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
-        line = f":{mark.line + 1}" if mark else ""
+        at = f":{mark.line + 1}" if mark else ""
         why = " ".join(str(exc.problem or exc).split())
-        raise ConfigError(f"{path}{line}", "", f"invalid YAML: {why}") from None
+        raise ConfigError(f"{path}{at}", "", f"invalid YAML: {why}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(path, "", f"invalid YAML: {' '.join(str(exc).split())}") from None
     except RecursionError:  # the composer recurses once per level, before _build sees any

@@ -1,0 +1,132 @@
+"""Recommendation policies from YAML (``actions.recommend.policies``) and overrides given as
+strings (HTTP query parameters, launcher flags), through the one validator family."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Any
+
+from exporter.config.validate import boolean, celsius, non_negative, number, ratio, size, whole
+from exporter.config.yamlconf import Section
+from exporter.core.selection import MAX_COUNT, MAX_WINDOW, STRATEGIES, Policy, Weights, with_default
+from exporter.core.units import parse_size
+
+
+def _strategy(raw: Any) -> str:
+    if raw not in STRATEGIES:
+        raise ValueError(f"must be one of {', '.join(STRATEGIES)}; got {raw!r}")
+    return str(raw)
+
+
+def _parse_weights(policy: Section) -> Weights:
+    section = policy.section("weights")
+    weights = Weights(
+        free_memory=section.get("free_memory", non_negative, 1.0),
+        idle=section.get("idle", non_negative, 1.0),
+        temperature_headroom=section.get("temperature_headroom", non_negative, 1.0),
+    )
+    section.done()
+    if weights.total <= 0:
+        raise policy.error("weights", "at least one weight must be more than 0")
+    return weights
+
+
+def _parse_policy(name: str, section: Section) -> Policy:
+    policy = Policy(
+        name=name,
+        strategy=section.get("strategy", _strategy, "most_free_memory"),
+        count=section.get("count", whole(1, MAX_COUNT), 1),
+        min_free_memory=section.get("min_free_memory", size, None),
+        max_utilization=section.get("max_utilization", ratio, None),
+        max_temperature=section.get("max_temperature", celsius, None),
+        exclude_hotspots=section.get("exclude_hotspots", boolean, True),
+        exclusive=section.get("exclusive", boolean, False),
+        window=section.get("window", whole(1, MAX_WINDOW), 1),
+        weights=_parse_weights(section),
+    )
+    section.done()
+    return policy
+
+
+def parse_policies(section: Section) -> dict[str, Policy]:
+    """The policies of a ``policies:`` mapping by name; every key is validated."""
+    out: dict[str, Policy] = {}
+    for name, value in section.data.items():
+        if not isinstance(name, str) or not name.strip():
+            raise section.error(name, "a policy name must be a non-empty string")
+        if not isinstance(value, dict):
+            raise section.error(
+                name, f"a policy must be a mapping of settings, got {type(value).__name__}"
+            )
+        out[name] = _parse_policy(name, section.section(name))
+    return out
+
+
+def recommend_policies(actions: Section) -> Mapping[str, Policy]:
+    """The ``actions:`` parser of the launcher: the policies of ``actions.recommend`` (with
+    ``default``), the only part of ``actions:`` it reads; the rest is the agent's to check."""
+    return with_default(parse_policies(actions.section("recommend").section("policies")))
+
+
+# -- overrides from a request ' + '-'*70 + '
+
+_WHOLE = re.compile(r"[0-9]{1,9}")
+
+
+def _param_count(raw: str) -> int:
+    text = raw.strip()
+    if not _WHOLE.fullmatch(text) or not 1 <= int(text) <= MAX_COUNT:
+        raise ValueError(f"must be a whole number from 1 to {MAX_COUNT}, got {raw!r}")
+    return int(text)
+
+
+def _param_number(raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ValueError(f"expected a number, got {raw!r}") from None
+    return number(value)
+
+
+def _param_boolean(raw: str) -> bool:
+    text = raw.strip().lower()
+    if text not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(f"expected true or false, got {raw!r}")
+    return text in ("true", "1", "yes")
+
+
+_PARAMS: Mapping[str, Callable[[str], Any]] = MappingProxyType(
+    {
+        "count": _param_count,
+        "min_free_memory": parse_size,
+        "max_utilization": lambda raw: ratio(_param_number(raw)),
+        "max_temperature": lambda raw: celsius(_param_number(raw)),
+        "strategy": _strategy,
+        "exclusive": _param_boolean,
+    }
+)
+
+
+def policy_with(policy: Policy, params: Mapping[str, str]) -> Policy:
+    """``policy`` with overrides given as strings (HTTP query, CLI flags).
+
+    Known parameters: count, min_free_memory (a size like ``8GiB``), max_utilization (0-1),
+    max_temperature (celsius), strategy, exclusive (true or false). Raises ValueError naming the
+    parameter for a bad value or an unknown parameter.
+    """
+    changes: dict[str, Any] = {}
+    for key, raw in params.items():
+        parse = _PARAMS.get(key)
+        if parse is None:
+            known = ", ".join(sorted(_PARAMS))
+            raise ValueError(f"unknown parameter {key!r} (known: {known})")
+        if not isinstance(raw, str):
+            raise ValueError(f"{key}: expected a string, got {raw!r}")
+        try:
+            changes[key] = parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"{key}: {exc}") from None
+    return replace(policy, **changes)

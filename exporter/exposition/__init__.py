@@ -1,0 +1,1 @@
+"""Snapshot to Prometheus metric families and text (``metrics``)."""

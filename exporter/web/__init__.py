@@ -1,0 +1,1 @@
+"""HTTP: the routes (``routes``) and the server they run in (``server``)."""
