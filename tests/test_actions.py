@@ -9,12 +9,16 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporter.actions.base import Action
 from exporter.actions.engine import ActionEngine, ActionsConfig, parse_actions
+from exporter.actions.registry import ACTIONS
 from exporter.config.yamlconf import ConfigError, parse_document
 from exporter.core.procfs import ProcFs
 from exporter.exposition.metrics import render
@@ -36,13 +40,40 @@ def actions(text: str) -> ActionsConfig:
 
 
 @pytest.fixture
-def engine(simulated, collector, clock, tmp_path):
+def make_engine(simulated, collector, clock, tmp_path):
+    """An engine over a sampled simulated host; ``thermal=`` swaps the thermal action for
+    another object (the registry is the seam)."""
     simulated(SCENARIO)
     sampler = Sampler(collector, interval=5, deadline=5, monotonic=clock, render=render)
     sampler.sample_once()
-    made = ActionEngine(sampler, ActionsConfig(), ProcFs(), str(tmp_path), clock=lambda: 1.7e9)
-    yield made
-    made.stop()
+    made: list[ActionEngine] = []
+
+    def make(thermal: Any = None) -> ActionEngine:
+        registry = [
+            replace(kind, make=lambda settings, context: thermal)
+            if thermal is not None and kind.name == "thermal"
+            else kind
+            for kind in ACTIONS
+        ]
+        engine = ActionEngine(
+            sampler,
+            ActionsConfig(),
+            ProcFs(),
+            str(tmp_path),
+            clock=lambda: 1.7e9,
+            registry=registry,
+        )
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.stop()
+
+
+@pytest.fixture
+def engine(make_engine):
+    return make_engine()
 
 
 # -- config ----------------------------------------------------------------------------------------
@@ -136,8 +167,8 @@ def test_every_action_runs_and_publishes_metrics(engine):
     assert one(found, "gpu_zombie_processes", gpu="0", **{"class": "orphan"}) == 0
 
 
-def test_a_failing_action_is_counted_and_the_others_go_on(engine, caplog):
-    class Broken:
+def test_a_failing_action_is_counted_and_the_others_go_on(make_engine, caplog):
+    class Broken(Action):
         name = "thermal"
 
         def run(self, snapshots, now):
@@ -146,7 +177,7 @@ def test_a_failing_action_is_counted_and_the_others_go_on(engine, caplog):
         def families(self):
             return []
 
-    engine._actions["thermal"] = Broken()
+    engine = make_engine(thermal=Broken())
     assert not engine.run("thermal")
     assert not engine.run("thermal")
     assert engine.run("recommend")
@@ -159,10 +190,10 @@ def test_a_failing_action_is_counted_and_the_others_go_on(engine, caplog):
     assert caplog.text.count("action thermal failed") == 1  # logged once per failing episode
 
 
-def test_runs_of_one_action_never_overlap(engine):
+def test_runs_of_one_action_never_overlap(make_engine):
     active, most = [0], [0]
 
-    class Slow:
+    class Slow(Action):
         name = "thermal"
 
         def run(self, snapshots, now):
@@ -174,7 +205,7 @@ def test_runs_of_one_action_never_overlap(engine):
         def families(self):
             return []
 
-    engine._actions["thermal"] = Slow()
+    engine = make_engine(thermal=Slow())
     threads = [threading.Thread(target=engine.run, args=("thermal",)) for _ in range(4)]
     for thread in threads:
         thread.start()
@@ -187,7 +218,7 @@ def test_scheduler_runs_jobs_on_their_interval(engine):
     engine.reload(actions("actions:\n  thermal: {every: 100ms}\n"))
     engine.start()
     deadline = time.monotonic() + 3
-    while engine._stats["thermal"].runs < 3:
+    while engine.stats("thermal").runs < 3:
         assert time.monotonic() < deadline, "the job did not run"
         time.sleep(0.05)
     engine.stop()
@@ -195,15 +226,15 @@ def test_scheduler_runs_jobs_on_their_interval(engine):
 
 def test_reload_keeps_unchanged_actions_and_disables_others(engine):
     engine.run("thermal")
-    thermal = engine._actions["thermal"]
+    thermal = engine.action("thermal")
     engine.reload(actions("actions:\n  recommend: {enabled: false}\n"))
-    assert engine._actions["thermal"] is thermal  # unchanged: state kept
-    assert "recommend" not in engine._actions
+    assert engine.action("thermal") is thermal  # unchanged: state kept
+    assert engine.action("recommend") is None
     assert not engine.run("recommend")
     found = samples(engine.exposition())
     assert one(found, "gpu_exporter_action_enabled", action="recommend") == 0
     engine.reload(actions("actions:\n  thermal: {warning_celsius: 70}\n"))
-    assert engine._actions["thermal"] is not thermal
+    assert engine.action("thermal") is not thermal
 
 
 # -- /recommend ------------------------------------------------------------------------------------
@@ -377,7 +408,7 @@ def test_cron_weekdays_mean_what_they_mean_to_cron(expression, weekday):
 
 
 def test_reloading_reaper_settings_keeps_a_kill_in_progress(engine):
-    reaper = engine._actions["zombie_reaper"]
+    reaper = engine.action("zombie_reaper")
     engine.reload(actions("actions:\n  zombie_reaper: {min_age: 5s}\n"))
-    assert engine._actions["zombie_reaper"] is reaper
+    assert engine.action("zombie_reaper") is reaper
     assert reaper.config.min_age == 5

@@ -843,7 +843,7 @@ def test_a_reaper_run_that_raises_halfway_leaves_the_audit_log_consistent(
         monkeypatch.setattr(os, "readlink", lambda path, *a, **k: 1 / 0)
     assert not _run(engine, clock)  # the run raised: counted, the engine goes on
     monkeypatch.undo()
-    assert engine._stats["zombie_reaper"].failures == 1
+    assert engine.stats("zombie_reaper").failures == 1
     assert alive(pid)
     assert _pidfds() == pidfds  # no pidfd left behind
     records = _records(audit)
@@ -873,7 +873,7 @@ def test_a_reload_in_the_middle_of_a_run_waits_for_it_and_applies_whole(
         str(tmp_path),
         clock=lambda: BASE,
     )
-    thermal, reaper = engine._actions["thermal"], engine._actions["zombie_reaper"]
+    thermal, reaper = engine.action("thermal"), engine.action("zombie_reaper")
     entered, release = threading.Event(), threading.Event()
     real_run = thermal.run
 
@@ -898,25 +898,25 @@ def test_a_reload_in_the_middle_of_a_run_waits_for_it_and_applies_whole(
     )
     with pytest.raises(ActionBusy, match="thermal"):  # the agent's main loop waits no longer
         engine.reload(new, timeout=0.2)
-    assert reaper.config.min_age == 60 and "recommend" in engine._actions  # nothing applied
+    assert reaper.config.min_age == 60 and engine.action("recommend") is not None  # nothing applied
     reloading = threading.Thread(target=engine.reload, args=(new,))
     reloading.start()
     reloading.join(0.5)
     try:  # while the run goes on, no action is configured anew: not one of them
         assert reloading.is_alive()
-        assert reaper.config.min_age == 60 and "recommend" in engine._actions
-        assert engine._actions["thermal"] is thermal
+        assert reaper.config.min_age == 60 and engine.action("recommend") is not None
+        assert engine.action("thermal") is thermal
     finally:
         release.set()
         running.join(10)
         reloading.join(10)
     assert results == [True]  # the run was not lost
-    stats = engine._stats["thermal"]
+    stats = engine.stats("thermal")
     assert (stats.runs, stats.failures) == (1, 0)  # nor run twice
     assert engine.config is new
-    assert engine._actions["zombie_reaper"] is reaper and reaper.config.min_age == 5
-    assert engine._actions["thermal"] is not thermal and "recommend" not in engine._actions
-    assert engine.run("thermal") and engine._stats["thermal"].runs == 2
+    assert engine.action("zombie_reaper") is reaper and reaper.config.min_age == 5
+    assert engine.action("thermal") is not thermal and engine.action("recommend") is None
+    assert engine.run("thermal") and engine.stats("thermal").runs == 2
     engine.stop()
 
 

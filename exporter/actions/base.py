@@ -8,11 +8,14 @@ through :meth:`Action.families`.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
 
 from prometheus_client.core import Metric
 
+from exporter.config.yamlconf import Section
+from exporter.core.procfs import ProcFs
 from exporter.core.snapshot import Snapshot
 
 
@@ -30,3 +33,40 @@ class Action(abc.ABC):
     @abc.abstractmethod
     def families(self) -> list[Metric]:
         """The metric families of the latest findings (none before the first run)."""
+
+    def reconfigure(self, settings: Any) -> bool:
+        """Take new settings in place, keeping what is under way; False (the default) when
+        the action should rather be made anew if its settings changed."""
+        del settings
+        return False
+
+    def close(self, reason: str = "agent_stopped") -> None:
+        """Release what the action holds; ``reason``: ``disabled``, ``agent_stopped``."""
+        del reason
+
+
+S = TypeVar("S")
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the engine offers an action it makes."""
+
+    procfs: ProcFs
+    dev_root: str
+    lock_dir: str | None
+    #: thermal levels by GPU uuid (empty when the thermal action is off)
+    hotspots: Callable[[], Mapping[str, int]]
+    #: uuids of the GPUs a launcher lock holds, as of the latest Snapshot
+    reserved: Callable[[], frozenset[str]]
+
+
+@dataclass(frozen=True)
+class ActionType(Generic[S]):
+    """One kind of action: how to read its settings and how to make it."""
+
+    name: str  # its key under ``actions:`` and its ``action`` label
+    every: float  # seconds between runs when neither ``every`` nor ``cron`` is given
+    settings: Callable[[], S]  # its settings when the config says nothing
+    parse: Callable[[Section], S]  # its own keys (``enabled``, ``every``, ``cron`` are common)
+    make: Callable[[S, Context], Action]

@@ -8,24 +8,25 @@ every run the actions' metrics are rendered once, and scrapes serve those bytes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from exporter.actions.base import Action
+from exporter.actions.base import Action, ActionType, Context
 from exporter.actions.cron import cron_trigger
-from exporter.actions.reaper import ReaperConfig, ZombieReaper, parse_reaper
-from exporter.actions.recommend import RecommendAction, RecommendConfig, parse_recommend
-from exporter.actions.thermal import ThermalAction, ThermalConfig, parse_thermal
+from exporter.actions.recommend import RecommendConfig
+from exporter.actions.registry import ACTIONS
+from exporter.actions.thermal import ThermalAction
 from exporter.config.policies import policy_with
 from exporter.config.validate import boolean, positive_duration
 from exporter.config.yamlconf import Section
@@ -37,40 +38,28 @@ from exporter.sampling.sampler import Sampler
 log = logging.getLogger(__name__)
 
 #: Default schedule of each action, seconds between runs.
-DEFAULT_EVERY = {"zombie_reaper": 30.0, "thermal": 5.0, "recommend": 10.0}
-_PARSERS: dict[str, Callable[[Section], Any]] = {
-    "zombie_reaper": parse_reaper,
-    "thermal": parse_thermal,
-    "recommend": parse_recommend,
-}
+DEFAULT_EVERY = {action.name: action.every for action in ACTIONS}
+S = TypeVar("S")
 
 
 @dataclass(frozen=True)
-class ActionSettings:
-    """One action's schedule and its own settings."""
+class ActionSettings(Generic[S]):
+    """One action's schedule and its own settings (of the type its ActionType declares)."""
 
     enabled: bool
     every: float | None
     cron: str | None
-    options: Any
-
-
-def _default_options() -> dict[str, Any]:
-    return {
-        "zombie_reaper": ReaperConfig(),
-        "thermal": ThermalConfig(),
-        "recommend": RecommendConfig(policies={"default": Policy("default")}),
-    }
+    options: S
 
 
 @dataclass(frozen=True)
 class ActionsConfig:
     """Settings of every action, by name."""
 
-    actions: Mapping[str, ActionSettings] = field(
+    actions: Mapping[str, ActionSettings[Any]] = field(
         default_factory=lambda: {
-            name: ActionSettings(True, DEFAULT_EVERY[name], None, options)
-            for name, options in _default_options().items()
+            action.name: ActionSettings(True, action.every, None, action.settings())
+            for action in ACTIONS
         }
     )
 
@@ -84,24 +73,27 @@ def _cron(raw: Any) -> str:
 def parse_actions(section: Section) -> ActionsConfig:
     """``actions:``: for each action ``enabled``, ``every`` or ``cron``, and its own keys."""
     actions = {}
-    for name, parse in _PARSERS.items():
+    for action in ACTIONS:
+        name = action.name
         sub = section.section(name)
         enabled = sub.get("enabled", boolean, True)
         every = sub.get("every", positive_duration, None)
         cron = sub.get("cron", _cron, None)
         if every is not None and cron is not None:
             raise sub.error("cron", "give every or cron, not both")
-        options = parse(sub)
+        options = action.parse(sub)
         sub.done()
         actions[name] = ActionSettings(
-            enabled, every if every or cron else DEFAULT_EVERY[name], cron, options
+            enabled, every if every or cron else action.every, cron, options
         )
     section.done()
     return ActionsConfig(actions)
 
 
 @dataclass
-class _Stats:
+class ActionStats:
+    """How an action's runs went since the agent started (``ActionEngine.stats`` copies it)."""
+
     runs: int = 0
     failures: int = 0
     last_success: float | None = None
@@ -126,6 +118,7 @@ class ActionEngine:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         lock_dir: str | None = None,
+        registry: Sequence[ActionType[Any]] = ACTIONS,
     ) -> None:
         self.sampler = sampler
         self.procfs = procfs
@@ -133,8 +126,10 @@ class ActionEngine:
         self._clock = clock  # wall time, only for timestamps people read
         self._monotonic = monotonic  # what actions measure durations with
         self.lock_dir = lock_dir
-        self._stats = {name: _Stats() for name in _PARSERS}
-        self._locks = {name: threading.Lock() for name in _PARSERS}
+        self._registry = {action.name: action for action in registry}
+        self._stats = {name: ActionStats() for name in self._registry}
+        self._locks = {name: threading.Lock() for name in self._registry}
+        self._context = Context(procfs, dev_root, lock_dir, self.hotspots, self.reserved)
         self._render_lock = threading.Lock()
         self._actions: dict[str, Action] = {}
         self.config = ActionsConfig()
@@ -158,25 +153,17 @@ class ActionEngine:
             for name, settings in config.actions.items():
                 current = self._actions.get(name)
                 if current is not None and settings.enabled:
-                    if isinstance(current, ZombieReaper):  # never abandon a kill in progress
-                        current.reconfigure(settings.options)
+                    if current.reconfigure(settings.options):  # in place (a kill in progress)
                         continue
                     if self.config.actions[name].options == settings.options:
                         continue  # unchanged: keep its state (timers, levels)
-                if isinstance(current, ZombieReaper):
-                    current.close("disabled")
+                if current is not None:
+                    current.close("disabled" if not settings.enabled else "replaced")
                 self._actions.pop(name, None)
                 if settings.enabled:
-                    self._actions[name] = self._make(name, settings.options)
+                    self._actions[name] = self._registry[name].make(settings.options, self._context)
             self.config = config
         self._render()
-
-    def _make(self, name: str, options: Any) -> Action:
-        if name == "thermal":
-            return ThermalAction(options)
-        if name == "recommend":
-            return RecommendAction(options, hotspots=self.hotspots, locked=self.reserved)
-        return ZombieReaper(options, self.procfs, self.dev_root, lock_dir=self.lock_dir)
 
     def reload(self, config: ActionsConfig, timeout: float | None = None) -> None:
         """Apply a new configuration: changed actions start afresh, the others keep state.
@@ -194,7 +181,7 @@ class ActionEngine:
         """Start the scheduler; interval jobs run once right away."""
         logging.getLogger("apscheduler").setLevel(logging.ERROR)  # we log runs and failures
         self._scheduler = BackgroundScheduler(
-            executors={"default": ThreadPoolExecutor(len(_PARSERS))},
+            executors={"default": ThreadPoolExecutor(len(self._registry))},
             job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
         )
         self._scheduler.start()
@@ -223,8 +210,15 @@ class ActionEngine:
             self._scheduler.shutdown(wait=False)
             self._scheduler = None
         for action in self._actions.values():
-            if isinstance(action, ZombieReaper):
-                action.close()
+            action.close("agent_stopped")
+
+    def action(self, name: str) -> Action | None:
+        """The running action of that name; None while it is disabled."""
+        return self._actions.get(name)
+
+    def stats(self, name: str) -> ActionStats:
+        """A copy of how the named action's runs went."""
+        return dataclasses.replace(self._stats[name])
 
     # -- running ----------------------------------------------------------------------------
 
@@ -266,7 +260,8 @@ class ActionEngine:
 
     def policies(self) -> Mapping[str, Policy]:
         """The configured recommendation policies by name (``default`` always among them)."""
-        return self.config.actions["recommend"].options.policies
+        settings: RecommendConfig = self.config.actions["recommend"].options
+        return settings.policies
 
     def recommend(
         self,

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from exporter.actions.base import Action
+from exporter.actions.base import Action, ActionType, Context
 from exporter.config.policies import parse_policies
 from exporter.config.yamlconf import Section
 from exporter.core.selection import Policy, Recommendation, recommend, with_default
@@ -105,3 +105,10 @@ class RecommendAction(Action):
                     score.add_metric(series, rec.scores[uuid])
             devices.add_metric([name], float(len(rec.chosen)))
         return [recommended, score, devices]
+
+
+def _make(settings: RecommendConfig, context: Context) -> RecommendAction:
+    return RecommendAction(settings, hotspots=context.hotspots, locked=context.reserved)
+
+
+ACTION = ActionType("recommend", 10.0, RecommendConfig, parse_recommend, _make)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from exporter.actions.base import Action
+from exporter.actions.base import Action, ActionType, Context
 from exporter.config.validate import celsius, duration, non_negative, positive, ratio
 from exporter.config.yamlconf import Section
 from exporter.core.snapshot import Gpu, Snapshot
@@ -350,3 +350,11 @@ def _next_level(level: int, held: set[str]) -> int:
     if "warning" in held:
         return max(level, 1)
     return level
+
+
+def _make(settings: ThermalConfig, context: Context) -> ThermalAction:
+    del context  # it needs nothing of the engine
+    return ThermalAction(settings)
+
+
+ACTION = ActionType("thermal", 5.0, ThermalConfig, parse_thermal, _make)

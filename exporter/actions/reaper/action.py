@@ -42,8 +42,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from exporter.actions.audit import AuditLog
-from exporter.actions.base import Action
-from exporter.actions.reaper.config import CLASSES, ReaperConfig
+from exporter.actions.base import Action, ActionType, Context
+from exporter.actions.reaper.config import CLASSES, ReaperConfig, parse_reaper
 from exporter.actions.reaper.evidence import JobEnd, JobWatch, pidfd_exited
 from exporter.core import privileges
 from exporter.core.locks import SUFFIX as LOCK_SUFFIX
@@ -149,9 +149,10 @@ class ZombieReaper(Action):
         self._caps = privileges.effective()
         self._warn_privileges(None)
 
-    def reconfigure(self, config: ReaperConfig) -> None:
-        """New settings; what is being watched carries on under them, and a pending signal
-        that they would refuse is cancelled (and audited so)."""
+    def reconfigure(self, settings: ReaperConfig) -> bool:
+        """New settings, always in place: what is being watched carries on under them, and a
+        pending signal that they would refuse is cancelled (and audited so)."""
+        config = settings
         if config.audit_log != self.config.audit_log:
             self.audit.close()
             self.audit = AuditLog(config.audit_log)
@@ -166,6 +167,7 @@ class ZombieReaper(Action):
             config.max_kills_per_run :
         ]:
             self._cancel(key, "max_kills_per_run")
+        return True
 
     def _warn_privileges(self, before: ReaperConfig | None) -> None:
         """Log, once, each thing the settings ask for that the capabilities do not allow."""
@@ -714,3 +716,10 @@ def _capability_family(caps: frozenset[str] | None) -> GaugeMetricFamily:
         for name in sorted(privileges.CAPABILITIES):
             family.add_metric([name], 1.0 if name in caps else 0.0)
     return family
+
+
+def _make(settings: ReaperConfig, context: Context) -> ZombieReaper:
+    return ZombieReaper(settings, context.procfs, context.dev_root, lock_dir=context.lock_dir)
+
+
+ACTION = ActionType("zombie_reaper", 30.0, ReaperConfig, parse_reaper, _make)
