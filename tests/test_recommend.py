@@ -523,12 +523,19 @@ def test_policy_with_overrides():
 @pytest.mark.parametrize(
     ("params", "needle"),
     [
-        ({"count": "0"}, "count: must be a whole number from 1 to 64"),
-        ({"count": "two"}, "count: must be a whole number"),
-        ({"count": "1.5"}, "count: must be a whole number"),
+        ({"count": "0"}, "count: must be from 1 to 64"),
+        ({"count": "two"}, "count: expected a whole number"),
+        ({"count": "1.5"}, "count: expected a whole number"),
+        ({"count": "٣"}, "count: expected a whole number"),
         ({"min_free_memory": "lots"}, "min_free_memory: expected a size"),
         ({"max_utilization": "1.5"}, "max_utilization: must be from 0 to 1"),
-        ({"max_utilization": "nan"}, "max_utilization: expected a finite number"),
+        ({"max_utilization": "nan"}, "max_utilization: expected a number"),
+        ({"max_utilization": "150%"}, "max_utilization: must be from 0% to 100%"),
+        (
+            {"max_utilization": "50"},
+            "max_utilization: must be from 0 to 1, got '50' (did you mean 50%?)",
+        ),
+        ({"exclusive": "maybe"}, "exclusive: expected true or false"),
         ({"max_temperature": "warm"}, "max_temperature: expected a number"),
         ({"max_temperature": "999"}, "max_temperature: must be a temperature"),
         ({"strategy": "fastest"}, "strategy: must be one of"),

@@ -3,13 +3,12 @@ strings (HTTP query parameters, launcher flags), through the one validator famil
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
-from exporter.config.validate import boolean, celsius, non_negative, number, ratio, size, whole
+from exporter.config.validate import boolean, celsius, non_negative, ratio, size, switch, whole
 from exporter.config.yamlconf import Section
 from exporter.core.selection import MAX_COUNT, MAX_WINDOW, STRATEGIES, Policy, Weights, with_default
 from exporter.core.units import parse_size
@@ -73,39 +72,14 @@ def recommend_policies(actions: Section) -> Mapping[str, Policy]:
 
 # -- overrides from a request ' + '-'*70 + '
 
-_WHOLE = re.compile(r"[0-9]{1,9}")
-
-
-def _param_count(raw: str) -> int:
-    text = raw.strip()
-    if not _WHOLE.fullmatch(text) or not 1 <= int(text) <= MAX_COUNT:
-        raise ValueError(f"must be a whole number from 1 to {MAX_COUNT}, got {raw!r}")
-    return int(text)
-
-
-def _param_number(raw: str) -> float:
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        raise ValueError(f"expected a number, got {raw!r}") from None
-    return number(value)
-
-
-def _param_boolean(raw: str) -> bool:
-    text = raw.strip().lower()
-    if text not in ("true", "false", "1", "0", "yes", "no"):
-        raise ValueError(f"expected true or false, got {raw!r}")
-    return text in ("true", "1", "yes")
-
-
 _PARAMS: Mapping[str, Callable[[str], Any]] = MappingProxyType(
     {
-        "count": _param_count,
+        "count": whole(1, MAX_COUNT),
         "min_free_memory": parse_size,
-        "max_utilization": lambda raw: ratio(_param_number(raw)),
-        "max_temperature": lambda raw: celsius(_param_number(raw)),
+        "max_utilization": ratio,
+        "max_temperature": celsius,
         "strategy": _strategy,
-        "exclusive": _param_boolean,
+        "exclusive": switch,
     }
 )
 

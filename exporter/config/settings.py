@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from exporter.config.validate import duration_between
+from exporter.config.validate import duration_between, switch, whole
 from exporter.config.yamlconf import ConfigError, Section, load_document, parse_document
 
 #: What the ``actions:`` section parses to: the agent's action settings, or (for the launcher)
@@ -67,11 +67,13 @@ def parse_listen(value: Any) -> Listen:
         host = host[1:-1]
     elif ":" in host:
         raise ValueError(f"write IPv6 addresses in brackets, like [::]:{DEFAULT_PORT}")
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"port must be a number from 1 to 65535, got {port_text!r}")
+    try:
+        port = whole(1, 65535)(port_text)
+    except ValueError:
+        raise ValueError(f"port must be a number from 1 to 65535, got {port_text!r}") from None
     if any(ch.isspace() for ch in host):
         raise ValueError(f"invalid host {host!r}")
-    return Listen(host, int(port_text))
+    return Listen(host, port)
 
 
 #: Bounds of interval and deadline: a sample at least every hour, or the exporter says nothing
@@ -118,23 +120,7 @@ def _optional_file(value: Any) -> str | None:
     return path
 
 
-def _switch(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "yes", "on", "1"):
-        return True
-    if text in ("false", "no", "off", "0"):
-        return False
-    raise ValueError(f"expected true or false, got {value!r}")
-
-
-def _history(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).isdigit():
-        raise ValueError(f"must be a whole number, got {value!r}")
-    if not 1 <= int(value) <= 100_000:
-        raise ValueError(f"must be from 1 to 100000, got {value!r}")
-    return int(value)
+_history = whole(1, 100_000)
 
 
 @dataclass(frozen=True)
@@ -220,7 +206,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "expose_cmdline",
         "--expose-cmdline",
-        _switch,
+        switch,
         False,
         "show processes' full command lines in /snapshot and status (they may hold secrets; "
         "default: the process name only)",

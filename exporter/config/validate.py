@@ -1,9 +1,17 @@
-"""Validators for settings in config and scenario files: each returns the value or raises
-ValueError with a one-line message (yamlconf adds the file, line and key)."""
+"""The one validator family: every setting, flag, environment variable and query parameter is
+parsed by these functions, so the same words mean the same thing everywhere. Each returns the
+value or raises ValueError with a one-line message (the caller adds the file and line, the flag,
+the variable or the parameter).
+
+YAML gives typed values (numbers, booleans); flags, variables and query parameters give strings.
+Where both can come, both are taken: a number may be ``2`` or ``"2"``, a switch ``true`` or
+``"on"``. Only ASCII digits are digits (``str.isdigit`` would take ``²`` and Arabic-Indic ones).
+"""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -50,15 +58,34 @@ def size(raw: Any) -> int:
 
 
 def ratio(raw: Any) -> float:
-    """A number from 0 to 1."""
+    """A number from 0 to 1, or a percentage string from ``0%`` to ``100%``."""
+    if isinstance(raw, str) and raw.strip().endswith("%"):
+        value = number(raw.strip()[:-1]) / 100
+        if not 0 <= value <= 1:
+            raise ValueError(f"must be from 0% to 100%, got {quoted(raw)}")
+        return value
     value = number(raw)
     if not 0 <= value <= 1:
-        raise ValueError(f"must be from 0 to 1, got {raw!r}")
+        hint = f" (did you mean {raw}%?)" if 1 < value <= 100 else ""
+        raise ValueError(f"must be from 0 to 1, got {raw!r}{hint}")
     return value
 
 
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_WHOLE = re.compile(r"[0-9]{1,18}")
+#: The words a switch takes, in any case, from a flag, a variable or a query parameter.
+TRUE_WORDS = ("true", "yes", "on", "1")
+FALSE_WORDS = ("false", "no", "off", "0")
+
+
 def number(raw: Any) -> float:
-    """A finite number."""
+    """A finite number: a YAML number, or a decimal string (ASCII digits, an optional sign,
+    point and exponent; no ``nan``, ``inf`` or ``1_000``)."""
+    if isinstance(raw, str):
+        text = raw.strip()
+        if not _DECIMAL.fullmatch(text):
+            raise ValueError(f"expected a number, got {quoted(raw)}")
+        raw = float(text)
     if isinstance(raw, bool) or not isinstance(raw, (int, float)):
         raise ValueError(f"expected a number, got {raw!r}")
     if not math.isfinite(raw):
@@ -90,10 +117,17 @@ def celsius(raw: Any) -> float:
     return value
 
 
-def whole(minimum: int, maximum: int) -> Any:
-    """A whole number from ``minimum`` to ``maximum``."""
+def whole(minimum: int, maximum: int) -> Callable[[Any], int]:
+    """A whole number from ``minimum`` to ``maximum``: a YAML integer, or a string of ASCII
+    digits (for a minimum below 0, a leading ``-`` too)."""
 
     def parse(raw: Any) -> int:
+        if isinstance(raw, str):
+            text = raw.strip()
+            digits = text[1:] if minimum < 0 and text.startswith("-") else text
+            if not _WHOLE.fullmatch(digits):
+                raise ValueError(f"expected a whole number, got {quoted(raw)}")
+            raw = int(text)
         if isinstance(raw, bool) or not isinstance(raw, int):
             raise ValueError(f"expected a whole number, got {raw!r}")
         if not minimum <= raw <= maximum:
@@ -104,10 +138,24 @@ def whole(minimum: int, maximum: int) -> Any:
 
 
 def boolean(raw: Any) -> bool:
-    """true or false (YAML booleans only: the string "false" is an error, not true)."""
+    """true or false in a YAML file: YAML booleans only (the string "false" is an error, not
+    true; YAML itself reads an unquoted yes/no/on/off as a boolean)."""
     if not isinstance(raw, bool):
         raise ValueError(f"expected true or false, got {raw!r}")
     return raw
+
+
+def switch(raw: Any) -> bool:
+    """true or false from a flag, a variable or a query parameter as well as from YAML: a
+    boolean, or one of :data:`TRUE_WORDS` / :data:`FALSE_WORDS` in any case."""
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in TRUE_WORDS:
+        return True
+    if text in FALSE_WORDS:
+        return False
+    raise ValueError(f"expected true or false, got {quoted(raw)} (or yes/no, on/off, 1/0)")
 
 
 def string_list(raw: Any) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from typing import Any
 
 from exporter.config.policies import policy_with
 from exporter.config.settings import Config
+from exporter.config.validate import whole
 from exporter.core.locks import LockError, default_lock_dir, open_lock_dir
 from exporter.core.selection import Policy, Recommendation
 from exporter.core.units import parse_duration
@@ -35,6 +36,9 @@ from exporter.launcher.acquire import (
     explain,
 )
 from exporter.launcher.run import RESTART_POLICIES, RunOptions, Supervisor, job_environment
+
+#: The most restarts --max-restarts takes (a bound, not a goal: use --restart never to stop).
+MAX_RESTARTS = 1_000_000
 
 #: The settings the launcher reads: the agent's, with only the recommendation policies of
 #: ``actions:`` (see ``config.policies.recommend_policies``).
@@ -202,7 +206,7 @@ def cmd_run(args: argparse.Namespace, config: LauncherConfig) -> int:
     if args.restart not in RESTART_POLICIES:
         raise UsageError(f"--restart: one of {', '.join(RESTART_POLICIES)}, got {args.restart!r}")
     wait = _parse(args.wait, "--wait", parse_duration) if args.wait is not None else None
-    max_restarts = _parse(args.max_restarts, "--max-restarts", _non_negative_int)
+    max_restarts = _parse(args.max_restarts, "--max-restarts", whole(0, MAX_RESTARTS))
     policy = _policy(config, args)
     with (
         open_lock_dir(_lock_dir(config)) as lock_dir,  # resolved once: see locks.open_lock_dir
@@ -220,12 +224,6 @@ def cmd_run(args: argparse.Namespace, config: LauncherConfig) -> int:
         print(f"gpu-exporter: running on GPU {names}", file=sys.stderr)
         options = RunOptions(command, restart=args.restart, max_restarts=max_restarts)
         return Supervisor(gpus, reservation, devices, options).run()
-
-
-def _non_negative_int(raw: str) -> int:
-    if not raw.strip().isdigit():
-        raise ValueError(f"expected a whole number of 0 or more, got {raw!r}")
-    return int(raw)
 
 
 def _parse(raw: str, flag: str, parse: Callable[[str], Any]) -> Any:
