@@ -90,6 +90,18 @@ def stderr_of(proc: subprocess.Popen[str]) -> str:
     return Path(proc.stderr_path).read_text()  # type: ignore[attr-defined]
 
 
+def logged_until(
+    proc: subprocess.Popen[str], text: str, count: int = 1, timeout: float = 10
+) -> str:
+    """Wait until the agent's standard error holds ``text`` ``count`` times; returns it."""
+    deadline = time.monotonic() + timeout
+    while (log := stderr_of(proc)).count(text) < count:
+        assert proc.poll() is None, f"server exited {proc.returncode}: {log}"
+        assert time.monotonic() < deadline, f"{text!r} not logged {count} times: {log}"
+        time.sleep(0.02)
+    return log
+
+
 def healthz_until(
     proc: subprocess.Popen[str], port: int, wanted: str = "ok", timeout: float = 10
 ) -> int:

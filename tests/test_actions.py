@@ -25,7 +25,7 @@ from exporter.exposition.metrics import render
 from exporter.sampling.sampler import Sampler
 from exporter.web import routes as agent_http
 from exporter.web.routes import App
-from tests.agent import healthz_until, http_get, serve, stderr_of
+from tests.agent import healthz_until, http_get, logged_until, serve, stderr_of
 from tests.helpers import agent_config, one, samples
 
 SCENARIO = """
@@ -314,11 +314,11 @@ def test_sighup_reloads_and_rejects_an_invalid_file(tmp_path):
         healthz_until(agent, port)
         config.write_text("actions:\n  thermal: {evry: 1s}\n")
         agent.send_signal(signal.SIGHUP)
-        time.sleep(0.6)
+        logged_until(agent, "reload rejected")
         assert healthz_until(agent, port) == 200  # still serving, on the old config
         config.write_text("interval: 1s\nactions:\n  recommend: {enabled: false}\n")
         agent.send_signal(signal.SIGHUP)
-        time.sleep(0.6)
+        logged_until(agent, "config reloaded")
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=5) == 0
         stderr = stderr_of(agent)
