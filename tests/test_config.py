@@ -376,30 +376,22 @@ def pem_files(tmp_path: Path) -> tuple[str, str, str]:
     return str(files[0]), str(files[1]), str(files[2])
 
 
-def test_tls_cert_without_key(tmp_path: Path, pem_files: tuple[str, str, str]) -> None:
-    cert, _, _ = pem_files
-    path = write(tmp_path, f"interval: 5s\ntls:\n  cert_file: {cert}\n")
-    message = config_error(path)
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        ("cert_file", ("cert_file", "key_file")),
+        ("key_file", ("cert_file",)),
+        ("client_ca_file", ("client_ca_file", "cert_file")),
+    ],
+)
+def test_a_tls_file_without_its_partner_is_an_error(
+    tmp_path: Path, pem_files: tuple[str, str, str], given: str, named: tuple[str, ...]
+) -> None:
+    cert, key, ca = pem_files
+    value = {"cert_file": cert, "key_file": key, "client_ca_file": ca}[given]
+    message = config_error(write(tmp_path, f"interval: 5s\ntls:\n  {given}: {value}\n"))
     assert "config.yaml" in message
-    assert "cert_file" in message
-    assert "key_file" in message
-
-
-def test_tls_key_without_cert(tmp_path: Path, pem_files: tuple[str, str, str]) -> None:
-    _, key, _ = pem_files
-    path = write(tmp_path, f"tls:\n  key_file: {key}\n")
-    message = config_error(path)
-    assert "config.yaml" in message
-    assert "cert_file" in message
-
-
-def test_tls_client_ca_without_cert(tmp_path: Path, pem_files: tuple[str, str, str]) -> None:
-    _, _, ca = pem_files
-    path = write(tmp_path, f"tls:\n  client_ca_file: {ca}\n")
-    message = config_error(path)
-    assert "config.yaml" in message
-    assert "client_ca_file" in message
-    assert "cert_file" in message
+    assert all(name in message for name in named), message
 
 
 def test_tls_complete_is_accepted(pem_files: tuple[str, str, str]) -> None:
