@@ -161,8 +161,9 @@ def test_every_action_runs_and_publishes_metrics(engine):
         )
         assert one(found, "gpu_exporter_action_duration_seconds", action=name) >= 0
     assert one(found, "gpu_thermal_hotspot", gpu="0") == 0
-    assert one(found, "gpu_recommended", gpu="0", policy="default") == 1  # a tie: lowest index
-    assert one(found, "gpu_recommended", gpu="1", policy="default") == 0
+    # the default policy weighs idleness: GPU 1 (10 % busy) over GPU 0 (90 %)
+    assert one(found, "gpu_recommended", gpu="0", policy="default") == 0
+    assert one(found, "gpu_recommended", gpu="1", policy="default") == 1
     assert one(found, "gpu_recommended_devices", policy="default") == 1
     assert one(found, "gpu_zombie_processes", gpu="0", **{"class": "orphan"}) == 0
 
@@ -263,7 +264,8 @@ def get(server, path: str) -> tuple[int, dict]:
 
 def test_recommend_endpoint(server):
     status, body = get(server, "/recommend")
-    assert status == 200 and body["ok"] and [c["index"] for c in body["chosen"]] == [0]
+    # the default policy weighs idleness: GPU 1 (10 % busy) over GPU 0 (90 %), same free memory
+    assert status == 200 and body["ok"] and [c["index"] for c in body["chosen"]] == [1]
     status, body = get(server, "/recommend?count=2&max_utilization=0.5")
     assert status == 409 and not body["ok"] and body["chosen"] == []
     (rejected,) = body["rejected"]

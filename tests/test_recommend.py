@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import textwrap
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,9 @@ from exporter.core.selection import STRATEGIES, Policy, Weights, recommend
 from exporter.core.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, Snapshot
 
 GIB = 1024**3
+
+
+BUILTIN = Path(__file__).resolve().parent.parent / "exporter" / "scenarios" / "builtin.yaml"
 
 
 def sample(simulated, collector, scenario: str) -> list[Snapshot]:
@@ -87,7 +91,7 @@ def test_each_strategy_picks_the_right_gpu(simulated, collector, strategy, best)
 
 def test_scores_of_the_simple_strategies():
     gpus = snap(gpu(0, memory_free_bytes=5 * GIB, utilization_ratio=0.25, temperature_celsius=61))
-    assert recommend(Policy("p"), [gpus]).scores["GPU-0"] == 5 * GIB
+    assert recommend(Policy("p", strategy="most_free_memory"), [gpus]).scores["GPU-0"] == 5 * GIB
     assert recommend(Policy("p", strategy="least_utilized"), [gpus]).scores["GPU-0"] == 0.75
     assert recommend(Policy("p", strategy="coolest"), [gpus]).scores["GPU-0"] == -61
 
@@ -323,7 +327,7 @@ def test_every_reason_is_listed_on_one_line():
 
 def test_count_two_picks_the_best_two(simulated, collector):
     snapshots = sample(simulated, collector, THREE_GPUS)
-    rec = recommend(Policy("p", count=2), snapshots)
+    rec = recommend(Policy("p", strategy="most_free_memory", count=2), snapshots)
     assert rec.ok and chosen_indexes(rec) == [1, 2]  # 70GiB and 50GiB free
     assert rec.chosen[0].score > rec.chosen[1].score
 
@@ -567,7 +571,13 @@ def labels(**values: str) -> tuple:
 
 def test_action_metrics(simulated, collector):
     snapshots = sample(simulated, collector, THREE_GPUS)
-    config = RecommendConfig({"pair": Policy("pair", count=2), "cool": Policy("cool", count=5)})
+    most_free = "most_free_memory"
+    config = RecommendConfig(
+        {
+            "pair": Policy("pair", strategy=most_free, count=2),
+            "cool": Policy("cool", strategy=most_free, count=5),
+        }
+    )
     action = RecommendAction(config, locked=lambda: {uuid_of(snapshots, 2)})
     assert action.families() == [] and action.latest() == {}
     action.run(snapshots, now=1.7e9)
@@ -610,3 +620,32 @@ def test_action_metrics_when_nothing_qualifies_and_scores_unknown():
         "GPU-0": "thermal hotspot level 1; cannot score: utilization unknown",
         "GPU-1": "down",
     }
+
+
+def test_the_default_policy_prefers_the_idle_gpu_as_the_seeds_teach(simulated, collector):
+    """On the built-in scenario: the idle 40 GB A100 over the 80 GB H100 another user keeps
+    30 % busy with 20 GiB (the one with the most free bytes)."""
+    with open(BUILTIN) as handle:
+        snapshots = sample(simulated, collector, handle.read())
+    rec = recommend(Policy("default"), snapshots)
+    by_free = max(
+        (g for g in snapshots[-1].gpus if not g.thermal_throttling() and g.index != 0),
+        key=lambda g: g.memory_free_bytes or 0,
+    )
+    assert by_free.index == 1  # the H100 has the most free bytes
+    assert [g.info.name for g in snapshots[-1].gpus if g.index == chosen_indexes(rec)[0]] == [
+        "NVIDIA A100-SXM4-40GB"
+    ]
+
+
+def test_gpus_with_zombie_holders_are_left_out_unless_asked(simulated, collector):
+    snapshots = sample(simulated, collector, THREE_GPUS)
+    best = recommend(Policy("p"), snapshots).chosen[0].uuid
+    zombies = {best: "1 orphan"}
+    rec = recommend(Policy("p"), snapshots, zombies=zombies)
+    assert best not in {c.uuid for c in rec.chosen}
+    assert rec.rejected[best] == "zombie holders: 1 orphan"
+    kept = recommend(
+        policy_with(Policy("p"), {"exclude_zombies": "false"}), snapshots, zombies=zombies
+    )
+    assert kept.chosen[0].uuid == best

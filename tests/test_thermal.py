@@ -477,3 +477,19 @@ def test_for_is_measured_on_the_monotonic_clock_not_the_wall_clock():
         )
         action.run(history, now=mono)
     assert action.levels() == {"GPU-00000000": 0}  # hot for 2 s of 30: not yet
+
+
+@pytest.mark.parametrize(("hot", "outlier"), [(50, 0), (69, 0), (70, 1)])
+def test_an_outlier_must_be_hot_itself(hot, outlier):
+    """50 C among peers idling at 38 C is no hotspot: outliers need outlier_min_celsius (70)."""
+    feed = Feeder(ThermalConfig(for_seconds=0))
+    idle = [gpu(0, 38, util=0.0), gpu(1, 38, util=0.0), gpu(2, 39, util=0.0)]
+    feed(0, *idle, gpu(3, hot, util=0.0))
+    assert outliers(feed.action)["3"] == outlier
+
+
+def test_outlier_min_celsius_is_a_setting():
+    section = parse_document("outlier_min_celsius: 60\n", "c.yaml").root()
+    assert parse_thermal(section).outlier_min_celsius == 60
+    with pytest.raises(ConfigError, match=r"c\.yaml:1: outlier_min_celsius"):
+        parse_thermal(parse_document("outlier_min_celsius: hot\n", "c.yaml").root())

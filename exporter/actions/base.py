@@ -59,6 +59,8 @@ class Context:
     hotspots: Callable[[], Mapping[str, int]]
     #: uuids of the GPUs a launcher lock holds, as of the latest Snapshot
     reserved: Callable[[], frozenset[str]]
+    #: uuid -> what the zombie reaper's last run found holding it (``1 orphan, 1 defunct``)
+    zombies: Callable[[], Mapping[str, str]]
 
 
 @dataclass(frozen=True)

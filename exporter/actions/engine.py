@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from exporter.actions.base import Action, ActionType, Context
 from exporter.actions.cron import cron_trigger
+from exporter.actions.reaper import ZombieReaper
 from exporter.actions.recommend import RecommendConfig
 from exporter.actions.registry import ACTIONS
 from exporter.actions.thermal import ThermalAction
@@ -129,7 +130,9 @@ class ActionEngine:
         self._registry = {action.name: action for action in registry}
         self._stats = {name: ActionStats() for name in self._registry}
         self._locks = {name: threading.Lock() for name in self._registry}
-        self._context = Context(procfs, dev_root, lock_dir, self.hotspots, self.reserved)
+        self._context = Context(
+            procfs, dev_root, lock_dir, self.hotspots, self.reserved, self.zombies
+        )
         self._render_lock = threading.Lock()
         self._actions: dict[str, Action] = {}
         self.config = ActionsConfig()
@@ -253,6 +256,11 @@ class ActionEngine:
             return frozenset()
         return frozenset(g.uuid for g in latest.snapshot.gpus if g.reserved_by is not None)
 
+    def zombies(self) -> Mapping[str, str]:
+        """What the zombie reaper's last run found holding each GPU (empty when it is off)."""
+        reaper = self._actions.get("zombie_reaper")
+        return reaper.holders_found() if isinstance(reaper, ZombieReaper) else {}
+
     def hotspots(self) -> Mapping[str, int]:
         """Thermal levels by uuid (empty when the thermal action is off)."""
         thermal = self._actions.get("thermal")
@@ -277,6 +285,7 @@ class ActionEngine:
             self.sampler.history(),
             hotspots=self.hotspots(),
             locked=self.reserved(),
+            zombies=self.zombies(),
             visible=visible,
         )
 

@@ -55,17 +55,19 @@ class RecommendAction(Action):
         config: RecommendConfig,
         hotspots: Callable[[], Mapping[str, int]] = dict,
         locked: Callable[[], Collection[str]] = frozenset,
+        zombies: Callable[[], Mapping[str, str]] = dict,
     ) -> None:
         self.config = config
         self._hotspots = hotspots
         self._locked = locked
+        self._zombies = zombies
         self._findings: _Findings | None = None
 
     def run(self, snapshots: Sequence[Snapshot], now: float) -> None:
         """Recommend for every policy over ``snapshots`` (oldest first)."""
-        hotspots, locked = self._hotspots(), frozenset(self._locked())
+        hotspots, locked, zombies = self._hotspots(), frozenset(self._locked()), self._zombies()
         recommendations = {
-            name: recommend(policy, snapshots, hotspots=hotspots, locked=locked)
+            name: recommend(policy, snapshots, hotspots=hotspots, locked=locked, zombies=zombies)
             for name, policy in self.config.policies.items()
         }
         gpus = tuple((g.index, g.uuid) for g in (snapshots[-1].gpus if snapshots else ()) if g.uuid)
@@ -108,7 +110,9 @@ class RecommendAction(Action):
 
 
 def _make(settings: RecommendConfig, context: Context) -> RecommendAction:
-    return RecommendAction(settings, hotspots=context.hotspots, locked=context.reserved)
+    return RecommendAction(
+        settings, hotspots=context.hotspots, locked=context.reserved, zombies=context.zombies
+    )
 
 
 ACTION = ActionType("recommend", 10.0, RecommendConfig, parse_recommend, _make)

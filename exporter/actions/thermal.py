@@ -11,7 +11,8 @@ Rules (the contract the docs quote):
   below ``warning - hysteresis`` for ``for``. Between the bands the level holds.
 - Outlier: ``outlier_celsius`` or more above the median temperature of the other GPUs of the same
   Snapshot whose utilization is within ``outlier_utilization_band`` of its own (at least 2 such
-  peers), continuously for ``for``: ``gpu_thermal_outlier{gpu, uuid}`` 1, else 0.
+  peers), and at least ``outlier_min_celsius`` (default 70) itself, continuously for ``for``:
+  ``gpu_thermal_outlier{gpu, uuid}`` 1, else 0.
 - "Stays for ``for``": the condition held in every processed Snapshot from some Snapshot S up to
   the current one, and ``current.monotonic - S.monotonic >= for``. Time is the Snapshots' own
   monotonic clock, so a wall-clock step (NTP, a resumed VM) never shortens or skips ``for``.
@@ -55,6 +56,8 @@ class ThermalConfig:
     for_seconds: float = 30.0  # YAML key "for"
     outlier_celsius: float = 10.0
     outlier_utilization_band: float = 0.2
+    #: an outlier must also be at least this hot: 50 C among peers idling at 38 C is no hotspot
+    outlier_min_celsius: float = 70.0
 
 
 def parse_thermal(section: Section) -> ThermalConfig:
@@ -72,6 +75,9 @@ def parse_thermal(section: Section) -> ThermalConfig:
         outlier_celsius=section.get("outlier_celsius", positive, defaults.outlier_celsius),
         outlier_utilization_band=section.get(
             "outlier_utilization_band", ratio, defaults.outlier_utilization_band
+        ),
+        outlier_min_celsius=section.get(
+            "outlier_min_celsius", celsius, defaults.outlier_min_celsius
         ),
     )
     if warning is not None and critical is not None and critical < warning:
@@ -229,7 +235,8 @@ class ThermalAction(Action):
             "below_critical": r.temperature < r.critical - hysteresis and not r.reason,
             "below_warning": r.temperature < r.warning - hysteresis,
             "outlier": r.median is not None
-            and r.temperature - r.median >= self.config.outlier_celsius,
+            and r.temperature - r.median >= self.config.outlier_celsius
+            and r.temperature >= self.config.outlier_min_celsius,
         }
 
     def _update(self, r: _Reading) -> None:

@@ -13,6 +13,8 @@ from exporter.config.yamlconf import Section
 from exporter.core.selection import MAX_COUNT, MAX_WINDOW, STRATEGIES, Policy, Weights, with_default
 from exporter.core.units import parse_size
 
+_WEIGHTS, _DEFAULT = Weights(), Policy("")  # the defaults live on the dataclasses
+
 
 def _strategy(raw: Any) -> str:
     if raw not in STRATEGIES:
@@ -23,9 +25,11 @@ def _strategy(raw: Any) -> str:
 def _parse_weights(policy: Section) -> Weights:
     section = policy.section("weights")
     weights = Weights(
-        free_memory=section.get("free_memory", non_negative, 1.0),
-        idle=section.get("idle", non_negative, 1.0),
-        temperature_headroom=section.get("temperature_headroom", non_negative, 1.0),
+        free_memory=section.get("free_memory", non_negative, _WEIGHTS.free_memory),
+        idle=section.get("idle", non_negative, _WEIGHTS.idle),
+        temperature_headroom=section.get(
+            "temperature_headroom", non_negative, _WEIGHTS.temperature_headroom
+        ),
     )
     section.done()
     if weights.total <= 0:
@@ -36,13 +40,14 @@ def _parse_weights(policy: Section) -> Weights:
 def _parse_policy(name: str, section: Section) -> Policy:
     policy = Policy(
         name=name,
-        strategy=section.get("strategy", _strategy, "most_free_memory"),
+        strategy=section.get("strategy", _strategy, _DEFAULT.strategy),
         count=section.get("count", whole(1, MAX_COUNT), 1),
         min_free_memory=section.get("min_free_memory", size, None),
         max_utilization=section.get("max_utilization", ratio, None),
         max_temperature=section.get("max_temperature", celsius, None),
         exclude_hotspots=section.get("exclude_hotspots", boolean, True),
         exclusive=section.get("exclusive", boolean, False),
+        exclude_zombies=section.get("exclude_zombies", boolean, True),
         window=section.get("window", whole(1, MAX_WINDOW), 1),
         weights=_parse_weights(section),
     )
@@ -80,6 +85,7 @@ _PARAMS: Mapping[str, Callable[[str], Any]] = MappingProxyType(
         "max_temperature": celsius,
         "strategy": _strategy,
         "exclusive": switch,
+        "exclude_zombies": switch,
     }
 )
 

@@ -7,11 +7,15 @@ rules, in the order they are applied to every GPU of the latest Snapshot:
 2. These GPUs are always excluded: thermally throttling (``sw_thermal_slowdown`` or
    ``hw_thermal_slowdown`` active in the latest Snapshot: ``thermal throttling``) and reserved by a
    launcher lock (``reserved by a launcher lock``). With ``exclude_hotspots`` (the default), so is
-   a GPU at thermal hotspot level 1 or more (``thermal hotspot level N``).
+   a GPU at thermal hotspot level 1 or more (``thermal hotspot level N``); with
+   ``exclude_zombies`` (the default), a GPU where the zombie reaper's last run found orphaned,
+   defunct or leaked holders (``zombie holders: 1 orphan``).
 3. Filters: ``min_free_memory``, ``max_utilization``, ``max_temperature`` compare the GPU's
    windowed means; ``exclusive`` wants no process of any user in the latest Snapshot. A value
    that is unknown *fails* its filter (``free memory unknown``): unknown never passes.
-4. Scores, higher is better: ``most_free_memory`` = free bytes; ``least_utilized`` =
+4. Scores, higher is better (``weighted`` by default, with the weights 0.7 free memory, 0.3
+   idleness, 0 temperature: prefer idle GPUs, as the seeds teach): ``most_free_memory`` = free
+   bytes; ``least_utilized`` =
    1 - utilization; ``coolest`` = -temperature; ``weighted`` = (w.free_memory * free/total +
    w.idle * (1 - utilization) + w.temperature_headroom * headroom) / (sum of the weights), where
    headroom = clamp((T - temperature) / T, 0, 1) and T is the GPU's slowdown threshold, or 90
@@ -53,9 +57,9 @@ _NONE: Mapping[str, Any] = MappingProxyType({})
 class Weights:
     """Weights of the ``weighted`` strategy's three terms (each 0 to 1 before weighting)."""
 
-    free_memory: float = 1.0
-    idle: float = 1.0
-    temperature_headroom: float = 1.0
+    free_memory: float = 0.7  # the seeds' weights: mostly free memory, then idleness
+    idle: float = 0.3
+    temperature_headroom: float = 0.0
 
     @property
     def total(self) -> float:
@@ -67,13 +71,16 @@ class Policy:
     """How to pick GPUs for one kind of job."""
 
     name: str
-    strategy: str = "most_free_memory"
+    strategy: str = "weighted"  # free memory share and idleness (the seeds' rule)
     count: int = 1
     min_free_memory: int | None = None  # bytes
     max_utilization: float | None = None  # 0-1
     max_temperature: float | None = None  # celsius
     exclude_hotspots: bool = True
     exclusive: bool = False  # no processes of any user on it
+    exclude_zombies: bool = (
+        True  # leave out GPUs where the reaper found orphaned, defunct or leaked holders
+    )
     window: int = 1  # rank on the mean over the last N Snapshots
     weights: Weights = field(default_factory=Weights)
 
@@ -182,13 +189,19 @@ def _deg(value: float) -> str:
 
 
 def _exclusions(
-    gpu: Gpu, policy: Policy, hotspots: Mapping[str, int], locked: Collection[str]
+    gpu: Gpu,
+    policy: Policy,
+    hotspots: Mapping[str, int],
+    locked: Collection[str],
+    zombies: Mapping[str, str],
 ) -> list[str]:
     reasons = []
     if gpu.thermal_throttling():
         reasons.append("thermal throttling")
     if gpu.uuid in locked:
         reasons.append("reserved by a launcher lock")
+    if policy.exclude_zombies and gpu.uuid in zombies:
+        reasons.append(f"zombie holders: {zombies[gpu.uuid]}")
     level = hotspots.get(gpu.uuid, 0)
     if policy.exclude_hotspots and level >= 1:
         reasons.append(f"thermal hotspot level {level}")
@@ -282,10 +295,11 @@ def _judge(
     policy: Policy,
     hotspots: Mapping[str, int],
     locked: Collection[str],
+    zombies: Mapping[str, str],
 ) -> tuple[float | None, list[str]]:
     """The score of an up GPU (None when it cannot be scored) and why it does not qualify."""
     means = _means(gpu.uuid, snapshots, policy.window)
-    reasons = _exclusions(gpu, policy, hotspots, locked) + _filters(means, policy)
+    reasons = _exclusions(gpu, policy, hotspots, locked, zombies) + _filters(means, policy)
     try:
         return _score(gpu, means, policy), reasons
     except _Unknown as exc:
@@ -301,12 +315,14 @@ def recommend(
     hotspots: Mapping[str, int] = _NONE,
     locked: Collection[str] = (),
     visible: Collection[str] | None = None,
+    zombies: Mapping[str, str] = _NONE,
 ) -> Recommendation:
     """Rank the GPUs of the latest Snapshot under ``policy`` (rules in the module docstring).
 
     ``snapshots`` are oldest first; ``hotspots`` maps uuid -> thermal hotspot level; ``locked``
     holds the uuids a launcher lock reserves; ``visible``, when given, the only uuids that may be
-    chosen (what ``CUDA_VISIBLE_DEVICES`` makes visible). Ties break by lowest NVML index.
+    chosen (what ``CUDA_VISIBLE_DEVICES`` makes visible); ``zombies`` maps uuid -> what the
+    zombie reaper found holding it (``1 orphan``). Ties break by lowest NVML index.
     """
     latest = snapshots[-1].gpus if snapshots else ()
     qualified: list[Choice] = []
@@ -323,7 +339,7 @@ def recommend(
         if not gpu.up:
             rejected[gpu.uuid] = "down"
             continue
-        score, reasons = _judge(gpu, snapshots, policy, hotspots, locked)
+        score, reasons = _judge(gpu, snapshots, policy, hotspots, locked, zombies)
         if score is not None:
             scores[gpu.uuid] = score
         if reasons:

@@ -35,7 +35,7 @@ import fnmatch
 import logging
 import os
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +88,9 @@ class _Finding:
     reason: str = ""
 
 
+#: The classes that make a GPU one to leave out of recommendations (its memory is held by what
+#: no job wants: an orphan, a defunct process, a leak).
+_UNWANTED = ("orphan", "defunct", "leaked")
 _LOCKS = "\0launcher locks"  # the key of lock-file holders in the descriptor scan
 
 
@@ -302,6 +305,8 @@ class ZombieReaper(Action):
                 return _Finding(gpu, pid, "unverifiable", None, "listed by NVML, not visible here")
             return None  # a holder that has just exited
         if info.state == "Z":
+            if self._watch.seen_exit(pid, latest.seq):
+                return None  # it has just exited: defunct only if its parent leaves it so
             return _Finding(
                 gpu, pid, "defunct", info, f"defunct; its parent {info.ppid} must reap it"
             )
@@ -662,6 +667,16 @@ class ZombieReaper(Action):
             except (OSError, ValueError, IndexError):
                 break
         return pids
+
+    def holders_found(self) -> Mapping[str, str]:
+        """uuid -> the orphaned, defunct and leaked holders of the last run (``1 orphan``), for
+        the recommendations that leave such GPUs out; GPUs with none are absent."""
+        found = {}
+        for (_, uuid), counts in (self._counts or {}).items():
+            parts = [f"{counts[cls]} {cls}" for cls in _UNWANTED if counts.get(cls)]
+            if parts:
+                found[uuid] = ", ".join(parts)
+        return found
 
     # -- metrics --------------------------------------------------------------------------
 

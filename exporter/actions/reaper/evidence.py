@@ -176,10 +176,14 @@ class JobWatch:
         # the latest end: the longest wait before acting
         return max(found, key=lambda end: end.process.ended_at or 0.0, default=None)
 
-    def seen_exit(self, pid: int) -> bool:
-        """True when the reaper saw the process with this PID exit (NVML may list a process a
-        little after its exit; that is no finding)."""
-        return any(w.pid == pid and w.ended_at is not None for w in self._watched.values())
+    def seen_exit(self, pid: int, seq: int | None = None) -> bool:
+        """True when the reaper saw the process with this PID exit (at the run of Snapshot
+        ``seq``, when given): NVML may list a process a little after its exit, and its parent
+        may not have reaped it yet; that is no finding."""
+        return any(
+            w.pid == pid and w.ended_at is not None and seq in (None, w.ended_seq)
+            for w in self._watched.values()
+        )
 
     def _close(self, watched: Watched) -> None:
         if watched.pidfd is not None:
