@@ -532,3 +532,15 @@ def test_a_descendant_of_a_launcher_lock_holder_is_never_signalled(
         assert alive(job.worker)
     finally:
         lock.close()
+
+
+def test_verdicts_give_each_process_its_class_and_last_decision(
+    simulated, collector, clock, dev, tmp_path, subreaper
+):
+    job = start_job(subreaper, f"{dev}/nvidia0")
+    simulated(scenario(job.listed()))
+    reaper = make_reaper(dev, tmp_path)  # a dry run
+    orphaned(reaper, collector, clock, job)
+    uuid = audit_lines(tmp_path)[0]["uuid"]
+    assert reaper.verdicts()[(uuid, job.worker)] == ("orphan", "skipped dry_run")
+    assert (uuid, job.leader.pid) not in reaper.verdicts()  # exited: no longer looked at

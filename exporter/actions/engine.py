@@ -256,6 +256,12 @@ class ActionEngine:
             return frozenset()
         return frozenset(g.uuid for g in latest.snapshot.gpus if g.reserved_by is not None)
 
+    def reaper_verdicts(self) -> Mapping[tuple[str, int], tuple[str | None, str | None]]:
+        """(uuid, pid) -> (reaper class, last decision) of the processes its last run looked
+        at; empty when the reaper is off."""
+        reaper = self._actions.get("zombie_reaper")
+        return reaper.verdicts() if isinstance(reaper, ZombieReaper) else {}
+
     def zombies(self) -> Mapping[str, str]:
         """What the zombie reaper's last run found holding each GPU (empty when it is off)."""
         reaper = self._actions.get("zombie_reaper")

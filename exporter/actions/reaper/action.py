@@ -147,6 +147,8 @@ class ZombieReaper(Action):
         self._given_up: dict[tuple[int, int], str] = {}
         self._reported: set[tuple[Any, ...]] = set()
         self._counts: dict[tuple[int, str], dict[str, int]] | None = None
+        self._classes: dict[tuple[str, int], str] = {}  # (uuid, pid) -> class, last run
+        self._decisions: dict[tuple[str, int], str] = {}  # (uuid, pid) -> last audit event
         self._namespace_warned = False
         self.actions_total: dict[tuple[str, str], int] = {}
         self._caps = privileges.effective()
@@ -201,6 +203,8 @@ class ZombieReaper(Action):
         # there in any class
         present = considered | {finding.pid for finding in findings}
         self._reported = {key for key in self._reported if key[2] in present}
+        self._classes = {(f.gpu.uuid, f.pid): f.cls for f in findings if f.pid}
+        self._decisions = {k: v for k, v in self._decisions.items() if k[1] in present}
         self._signal_orphans([f for f in findings if f.cls == "orphan" and f.info], now)
 
     def _classify(self, latest: Snapshot, now: float) -> tuple[list[_Finding], set[int]]:
@@ -630,7 +634,18 @@ class ZombieReaper(Action):
         return self._write({**record, **extra})
 
     def _write(self, record: dict[str, Any]) -> bool:
-        return self.audit.write({"action": self.name, **record})
+        written = self.audit.write({"action": self.name, **record})
+        if written and record.get("pid") and record.get("uuid"):  # only what really happened
+            words = (record["event"], record.get("signal"), record.get("reason"))
+            self._decisions[(record["uuid"], record["pid"])] = " ".join(w for w in words if w)
+        return written
+
+    def verdicts(self) -> Mapping[tuple[str, int], tuple[str | None, str | None]]:
+        """(uuid, pid) -> (its class at the last run or None, the last decision about it or
+        None: ``found``, ``skipped dry_run``, ``signalling SIGTERM``, ``cancelled SIGKILL
+        disabled``, ...), for the processes the last run looked at."""
+        keys = self._classes.keys() | self._decisions.keys()
+        return {key: (self._classes.get(key), self._decisions.get(key)) for key in keys}
 
     def _signal_failed(self, key: tuple[int, int], name: str, exc: OSError) -> bool:
         """Count and log a signal the kernel refused (the caller has audited it). EPERM (no
