@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         driver = simulate(host.scenario)
         locks = os.path.join(folder, "locks")
         os.mkdir(locks)
-        collector = Collector(Nvml(), ProcFs("/proc"), lock_dir=locks)
+        collector = Collector(Nvml(library=driver), ProcFs("/proc"), lock_dir=locks)
         stats = SelfStats(interval_seconds=1.0)
         collector.sample()  # warm-up: NVML init and the static facts
         # Plain timing first (cProfile inflates the many small calls, the busy wait's too).
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         collector.close()
     finally:
         if driver is not None:
-            driver.uninstall()
+            driver.stop()
         reaper.stop_all()
         shutil.rmtree(folder, ignore_errors=True)
     return 0

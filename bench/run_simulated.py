@@ -3,19 +3,22 @@
     python bench/run_simulated.py SCENARIO.yaml STATS.json -- gpu-exporter ARGS...
     python bench/run_simulated.py SCENARIO.yaml STATS.json -- nvitop-exporter ARGS...
 
-The simulation (``exporter.simulate.driver``) is installed first, before the exporter or nvitop is
-imported, so both exporters call the same simulated pynvml functions (nvitop also calls NVML's C
-symbols through ``pynvml._nvmlGetFunctionPointer``; the simulation serves those too). On SIGUSR1
-this process writes ``{"calls": N, "by_function": {...}, "seq": K, "time": T}`` to STATS.json
-(atomically: a temporary file, then a rename), where N counts every simulated NVML call so far;
-``symbols`` counts the C symbols looked up through ``pynvml._nvmlGetFunctionPointer``.
+The simulated driver (``exporter.simulate.driver``) is started first and installed as the pynvml
+module's own functions (``install_globally`` of ``bench/global_nvml.py``, the one place that
+patches pynvml), before the exporter or nvitop is imported, so both exporters call the same
+simulated functions (nvitop also calls NVML's C symbols through
+``pynvml._nvmlGetFunctionPointer``; those are served too). On SIGUSR1 this process writes
+``{"calls": N, "by_function": {...}, "seq": K, "time": T}`` to STATS.json (atomically: a
+temporary file, then a rename), where N counts every simulated NVML call so far; ``symbols``
+counts the C symbols looked up through ``pynvml._nvmlGetFunctionPointer``.
 
-gpu-exporter runs as ``gpu-exporter serve ARGS...`` without ``--simulate`` (the driver is already
-installed), with ``--dev`` set to the simulation's device folder and ``--lock-dir`` to a new
-empty folder unless ARGS give them. nvitop-exporter runs as ``nvitop-exporter ARGS...``.
-SIGINT or SIGTERM stops either one; the simulation is then uninstalled.
+gpu-exporter runs as ``gpu-exporter serve ARGS...`` without ``--simulate`` (its NVML module calls
+pynvml, which is the simulation here), with ``--dev`` set to the simulation's device folder and
+``--lock-dir`` to a new empty folder unless ARGS give them. nvitop-exporter runs as
+``nvitop-exporter ARGS...``. SIGINT or SIGTERM stops either one; pynvml is then restored and the
+simulation stopped.
 
-Only ``exporter.simulate.driver`` (pynvml and PyYAML) is imported from this repository before the
+Only ``exporter.simulate`` (pynvml and PyYAML) is imported from this repository before the
 exporter starts, so this works in a virtual environment that has nvitop-exporter and PyYAML with
 the repository on PYTHONPATH (see bench/benchmark.py).
 """
@@ -71,7 +74,7 @@ def _count_c_symbols(driver: Any) -> Counter[str]:
 
         return counted
 
-    pynvml._nvmlGetFunctionPointer = pointer  # uninstall() puts pynvml's own back
+    pynvml._nvmlGetFunctionPointer = pointer  # uninstalling puts pynvml's own back
     return symbols
 
 
@@ -79,15 +82,17 @@ def main(argv: list[str]) -> int:
     if len(argv) < 4 or argv[2] != "--" or argv[3] not in EXPORTERS:
         return _usage()
     scenario, stats_path, exporter, args = argv[0], argv[1], argv[3], argv[4:]
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if repo not in sys.path:
-        sys.path.insert(0, repo)
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.dirname(here), here):  # the repository, and this folder
+        if path not in sys.path:
+            sys.path.insert(0, path)
 
-    from exporter.simulate.driver import (
-        simulate,  # before nvitop (or exporter.core.nvml) is imported
-    )
+    from global_nvml import install_globally
+
+    from exporter.simulate.driver import simulate  # before nvitop or exporter.core.nvml
 
     driver = simulate(scenario)
+    uninstall = install_globally(driver)
     symbols = _count_c_symbols(driver)
     seq = 0
 
@@ -134,7 +139,8 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        driver.uninstall()
+        uninstall()
+        driver.stop()
         shutil.rmtree(lock_dir, ignore_errors=True)
 
 

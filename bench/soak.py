@@ -157,6 +157,16 @@ def open_fds(pid: int) -> int:
     return count
 
 
+def is_simulation_guard(pid: int) -> bool:
+    """Whether ``pid`` is the simulation's guard (a child of the agent while processes it
+    spawned run; docs/simulate.md), not one of the scenario's processes."""
+    from exporter.simulate.processes import GUARD_MARK
+
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as handle:
+        return handle.read().split(b"\0")[-2:-1] == [GUARD_MARK.encode()]
+    return False
+
+
 def children_of(pid: int) -> dict[int, str]:
     """The children of ``pid`` and their states (``S``, ``R``, ``Z``, ...), from each of its
     threads' ``children`` file: one read per thread, where a scan of all of /proc would miss
@@ -374,7 +384,8 @@ def quiet_reading(pid: int, reads: int = 10) -> tuple[float, int, int, int, int]
     The agent goes on meanwhile: the sampler may be starting a process (a descriptor or two
     and a child more, or one less, for a few ms), the reaper scanning /proc (a descriptor more
     for a while). So each figure is the least of ``reads`` readings over half a second (the
-    most, for live children): what stays, not what comes and goes."""
+    most, for live children): what stays, not what comes and goes. The simulation's guard is
+    not counted among the children."""
     deadline, same, last = time.monotonic() + 5, 0, -1
     while same < 5 and time.monotonic() < deadline:
         threads = int(proc_status(pid).get("Threads", "0"))
@@ -383,7 +394,7 @@ def quiet_reading(pid: int, reads: int = 10) -> tuple[float, int, int, int, int]
     rows = []
     for _ in range(reads):
         status = proc_status(pid)
-        kids = children_of(pid)
+        kids = {c: s for c, s in children_of(pid).items() if not is_simulation_guard(c)}
         rows.append(
             (
                 int(status["VmRSS"].split()[0]) * 1024 / 1e6,

@@ -8,8 +8,10 @@ import ctypes
 import os
 import signal
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import Any
 
+import pynvml
 import pytest
 
 from exporter.config.yamlconf import parse_document
@@ -39,26 +41,52 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-@pytest.fixture
-def simulated(clock: FakeClock) -> Iterator[Callable[[str], SimulatedDriver]]:
-    """Install an inline YAML scenario as pynvml's functions; uninstalled after the test."""
-    installed: list[SimulatedDriver] = []
+class Simulations:
+    """``simulated(text)``: a simulated driver started from an inline YAML scenario (stopped
+    after the test). ``library`` is the driver started last (pynvml before the first): what
+    the ``collector`` fixture's NVML module calls, made before the test gives its scenario."""
 
-    def install(text: str) -> SimulatedDriver:
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.started: list[SimulatedDriver] = []
+        self.library = _Latest(self)
+
+    def __call__(self, text: str) -> SimulatedDriver:
         scenario = parse_scenario(parse_document(textwrap.dedent(text), "test.yaml").root())
-        driver = SimulatedDriver(scenario, clock).install()
-        installed.append(driver)
+        driver = SimulatedDriver(scenario, self.clock).start()
+        self.started.append(driver)
         return driver
 
-    yield install
-    for driver in installed:
-        driver.uninstall()
+
+class _Latest:
+    """A pynvml-shaped library that is the driver a Simulations started last."""
+
+    def __init__(self, simulations: Simulations) -> None:
+        self._simulations = simulations
+
+    def __getattr__(self, name: str) -> Any:
+        started = self._simulations.started
+        return getattr(started[-1] if started else pynvml, name)
 
 
 @pytest.fixture
-def collector(clock: FakeClock) -> Iterator[Collector]:
-    """A Collector on the real NVML module and the real /proc, timed by the fake clock."""
-    made = Collector(Nvml(), ProcFs("/proc"), monotonic=clock, clock=lambda: 1.7e9 + clock.now)
+def simulated(clock: FakeClock) -> Iterator[Simulations]:
+    """Simulated drivers from inline YAML scenarios; stopped after the test."""
+    simulations = Simulations(clock)
+    yield simulations
+    for driver in simulations.started:
+        driver.stop()
+
+
+@pytest.fixture
+def collector(simulated: Simulations, clock: FakeClock) -> Iterator[Collector]:
+    """A Collector on the test's simulated driver and the real /proc, timed by the fake clock."""
+    made = Collector(
+        Nvml(library=simulated.library),
+        ProcFs("/proc"),
+        monotonic=clock,
+        clock=lambda: 1.7e9 + clock.now,
+    )
     yield made
     made.close()
 

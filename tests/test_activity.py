@@ -35,7 +35,7 @@ def test_the_snapshot_carries_each_process_idle_time(simulated, clock):
     busy_then_idle = "{points: [[0, 0.8], [10, 0.8], [11, 0]]}"
     driver = simulated(scenario([f"{{pid: self, memory: 1GiB, sm_utilization: {busy_then_idle}}}"]))
     # the host's clock moves with the scenario's, as NVML's sample timestamps do
-    collector = Collector(Nvml(wall=driver.wall), ProcFs(), monotonic=clock)
+    collector = Collector(Nvml(library=driver, wall=driver.wall), ProcFs(), monotonic=clock)
     seen = []
     try:
         for _ in range(7):

@@ -72,13 +72,15 @@ def test_static_facts_are_read_once(simulated, collector):
 
 
 def test_no_driver_then_recovery_with_backoff(simulated, clock):
-    simulated(
+    driver = simulated(
         """
         driver: {errors: [{field: init, error: DriverNotLoaded, until: 5s}]}
         gpus: [{name: GPU A}]
         """
     )
-    collector = Collector(Nvml(), ProcFs(), monotonic=clock, backoff_initial=1, backoff_max=4)
+    collector = Collector(
+        Nvml(library=driver), ProcFs(), monotonic=clock, backoff_initial=1, backoff_max=4
+    )
     attempts = []
     up_at = None
     for step in range(20):
@@ -218,7 +220,7 @@ def test_process_sm_utilization_is_merged_by_pid(simulated, clock):
             processes: [{{pid: self, memory: 1GiB, sm_utilization: 0.9}}]
         """
     )
-    collector = Collector(Nvml(wall=driver.wall), ProcFs(), monotonic=clock)
+    collector = Collector(Nvml(library=driver, wall=driver.wall), ProcFs(), monotonic=clock)
     try:
         snap = collector.sample()
     finally:

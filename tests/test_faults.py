@@ -42,7 +42,7 @@ from exporter.exposition.metrics import render
 from exporter.sampling.collect import Collector
 from exporter.sampling.sampler import Sampler
 from exporter.sampling.stats import SelfStats
-from exporter.simulate.driver import FIELD_FUNCTIONS
+from exporter.simulate.driver import FIELD_FUNCTIONS, SimulatedDriver
 from tests.agent import healthz_until, http_get, serve, stderr_of
 from tests.helpers import one, samples, write
 from tests.test_procfs import FakeProc
@@ -90,8 +90,11 @@ def test_hung_nvml_call_serves_the_last_snapshot_reports_staleness_and_recovers(
         assert healthz_until(agent, port, "ok") == 200
         assert healthz_until(agent, port, "stale") == 503  # the hang has begun
         during = [_scrape(port)]
-        time.sleep(0.5)
-        during.append(_scrape(port))
+        first_age = one(during[0], "gpu_exporter_snapshot_age_seconds")
+        deadline = time.monotonic() + 10
+        while one(later := _scrape(port), "gpu_exporter_snapshot_age_seconds") < first_age + 0.4:
+            assert time.monotonic() < deadline, "the served Snapshot did not age"
+        during.append(later)  # still hung, a while later
         for found in during:  # answered from the last Snapshot, its values still there
             assert one(found, "gpu_exporter_snapshot_stale") == 1
             assert one(found, "gpu_up", gpu="0") == 1
@@ -162,14 +165,9 @@ class Chaos:
         #: function ("*": any) -> the error its next call raises, whatever the rate
         self.forced: dict[str, str] = {}
 
-    def install(self) -> None:
-        for name in dir(pynvml):
-            fn = getattr(pynvml, name)
-            if (
-                name.startswith("nvml")
-                and getattr(fn, "__module__", "") == "exporter.simulate.driver"
-            ):
-                setattr(pynvml, name, self._wrap(name, fn))  # the simulation's uninstall undoes it
+    def install(self, driver: SimulatedDriver) -> None:
+        for name in driver.function_names:
+            setattr(driver, name, self._wrap(name, getattr(driver, name)))
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -323,16 +321,16 @@ def _check_exposition(got: Snapshot, want: Snapshot) -> None:
 
 
 def test_random_errors_of_every_class_never_crash_nor_export_a_wrong_value(simulated, clock):
-    simulated(CHANGING)
+    driver = simulated(CHANGING)
     chaos = Chaos(rate=0.03, seed=7)
-    chaos.install()
-    faulty = Collector(Nvml(), ProcFs(), monotonic=clock, clock=lambda: clock.now)
-    clean = Collector(Nvml(), ProcFs(), monotonic=clock, clock=lambda: clock.now)
+    chaos.install(driver)
+    faulty = Collector(Nvml(library=driver), ProcFs(), monotonic=clock, clock=lambda: clock.now)
+    clean = Collector(Nvml(library=driver), ProcFs(), monotonic=clock, clock=lambda: clock.now)
     seen = Counter()
     try:
         for _ in range(400):
             clock.advance(1)
-            pynvml.nvmlInit()  # the faulty collector may have shut the simulated driver down
+            driver.nvmlInit()  # the faulty collector may have shut the simulated driver down
             want = clean.sample()
             got = chaos.sample(faulty)
             assert want.nvml_up and all(g.up for g in want.gpus)
@@ -364,7 +362,7 @@ def test_random_errors_of_every_class_never_crash_nor_export_a_wrong_value(simul
         chaos.forced = {"*": "Uninitialized"}
         assert not chaos.sample(faulty).nvml_up and not chaos.forced
         clock.advance(100)
-        pynvml.nvmlInit()
+        driver.nvmlInit()
         want = clean.sample()
         got = chaos.sample(faulty)
         assert chaos.failed == []
@@ -375,17 +373,17 @@ def test_random_errors_of_every_class_never_crash_nor_export_a_wrong_value(simul
 
 
 def test_a_host_fact_failing_with_a_gpu_error_is_not_a_crash(simulated, collector, clock):
-    simulated("gpus: [{}]\n")
-    real = pynvml.nvmlSystemGetNVMLVersion
+    driver = simulated("gpus: [{}]\n")
+    real = driver.nvmlSystemGetNVMLVersion
 
     def lost() -> str:
         raise pynvml.NVMLError_Unknown()
 
-    pynvml.nvmlSystemGetNVMLVersion = lost
+    driver.nvmlSystemGetNVMLVersion = lost
     snap = collector.sample()  # used to raise GpuFailed out of the sample
     assert snap.nvml_up and snap.gpus[0].up
     assert snap.host.nvml_version == "" and snap.host.driver_version == "550.54.15"
-    pynvml.nvmlSystemGetNVMLVersion = real
+    driver.nvmlSystemGetNVMLVersion = real
     clock.advance(1)
     assert collector.sample().host.nvml_version == "12.550.54.15"  # read again, not for good
 
@@ -409,9 +407,9 @@ def test_static_facts_a_transient_error_left_out_are_read_again_with_backoff(
 
 
 def test_a_mig_device_that_failed_to_read_is_read_again(simulated, collector, clock):
-    simulated("gpus: [{mig_devices: [MIG-1111, MIG-2222]}]\n")
+    driver = simulated("gpus: [{mig_devices: [MIG-1111, MIG-2222]}]\n")
     chaos = Chaos(rate=0, seed=0)
-    chaos.install()
+    chaos.install(driver)
     chaos.forced = {"nvmlDeviceGetMigDeviceHandleByIndex": "Timeout"}  # the first slot
     assert chaos.sample(collector).gpus[0].info.mig_uuids == ("MIG-2222",)
     clock.advance(1)
@@ -419,14 +417,14 @@ def test_a_mig_device_that_failed_to_read_is_read_again(simulated, collector, cl
 
 
 def test_a_failed_process_list_is_absent_not_short(simulated, collector):
-    simulated(
+    driver = simulated(
         """
         gpus:
           - processes: [{pid: self, memory: 1GiB}, {pid: self, memory: 1MiB, type: graphics}]
         """
     )
     chaos = Chaos(rate=0, seed=0)
-    chaos.install()
+    chaos.install(driver)
     chaos.forced = {"nvmlDeviceGetComputeRunningProcesses_v3": "Timeout"}  # graphics answers
     snap = chaos.sample(collector)
     gpu = snap.gpus[0]
@@ -446,9 +444,9 @@ def test_a_failed_process_list_is_absent_not_short(simulated, collector):
 def test_a_call_that_answered_is_not_remembered_missing_or_unsupported(
     simulated, collector, clock, function, error
 ):
-    simulated("gpus: [{memory_used: 10GiB, memory_reserved: 1GiB, power: 300}]\n")
+    driver = simulated("gpus: [{memory_used: 10GiB, memory_reserved: 1GiB, power: 300}]\n")
     chaos = Chaos(rate=0, seed=0)
-    chaos.install()
+    chaos.install(driver)
     first = collector.sample().gpus[0]
     clock.advance(1)
     chaos.forced = {function: error}  # it answered a moment ago
@@ -464,9 +462,9 @@ def test_a_call_that_answered_is_not_remembered_missing_or_unsupported(
 def test_nvml_lost_while_the_host_facts_are_read_is_nvml_down_not_half_up(
     simulated, collector, clock
 ):
-    simulated("gpus: [{}]\n")
+    driver = simulated("gpus: [{}]\n")
     chaos = Chaos(rate=0, seed=0)
-    chaos.install()
+    chaos.install(driver)
     chaos.forced = {"nvmlSystemGetDriverVersion": "LibraryNotFound"}  # just after nvmlInit
     down = chaos.sample(collector)
     assert not down.nvml_up and down.gpus == () and "LibraryNotFound" in down.nvml_error
@@ -541,7 +539,7 @@ def test_a_failing_gpu_after_a_reinit_never_borrows_the_uuid_of_one_that_moved(
 
 
 def test_driver_version_changes_across_a_reinit(simulated, collector, clock):
-    simulated(
+    driver = simulated(
         """
         gpus:
           - errors: [{field: memory, error: DriverNotLoaded, from: 10s, until: 11s}]
@@ -549,7 +547,7 @@ def test_driver_version_changes_across_a_reinit(simulated, collector, clock):
         """
     )
     version = ["550.54.15"]
-    pynvml.nvmlSystemGetDriverVersion = lambda: version[0]  # the simulation puts it back
+    driver.nvmlSystemGetDriverVersion = lambda: version[0]
 
     def infos() -> list[tuple[str, str]]:
         found = samples(render(collector.sample(), SelfStats(1)))

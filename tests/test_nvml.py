@@ -38,8 +38,8 @@ def _read(nvml: Nvml, index: int = 0):
 
 
 def test_reads_every_field_with_current_driver(simulated):
-    simulated(ONE_GPU)
-    nvml = Nvml()
+    driver = simulated(ONE_GPU)
+    nvml = Nvml(library=driver)
     host = nvml.init()
     assert host.driver_version == "550.54.15"
     assert host.cuda_version == "12.4"
@@ -102,7 +102,7 @@ def test_driver_matrix_falls_back_and_stops_asking(
     simulated, missing, expect_reserved, process_call
 ):
     driver = simulated(ONE_GPU + f"driver: {{missing_functions: {missing}}}\n")
-    nvml = Nvml()
+    nvml = Nvml(library=driver)
     host = nvml.init()
     assert host.cuda_version == "12.4"
     info, first = _read(nvml)
@@ -128,7 +128,7 @@ def test_unsupported_field_is_absent_and_not_retried(simulated):
             "power_limit: 700\n    unsupported: [fan_speed, memory_temperature, ecc, serial]",
         )
     )
-    nvml = Nvml()
+    nvml = Nvml(library=driver)
     nvml.init()
     info, first = _read(nvml)
     for _ in range(3):
@@ -148,7 +148,7 @@ def test_transient_field_error_is_reported_and_retried(simulated, clock):
     driver = simulated(
         ONE_GPU + "    errors: [{field: power, error: Timeout, from: 0s, until: 10s}]\n"
     )
-    nvml = Nvml()
+    nvml = Nvml(library=driver)
     nvml.init()
     info, reading = _read(nvml)
     assert reading.gpu.power_watts is None
@@ -162,8 +162,8 @@ def test_transient_field_error_is_reported_and_retried(simulated, clock):
 
 @pytest.mark.parametrize("error", ["GpuIsLost", "Unknown", "ResetRequired"])
 def test_gpu_level_errors_fail_the_gpu(simulated, error):
-    simulated(ONE_GPU + f"    errors: [{{field: temperature, error: {error}}}]\n")
-    nvml = Nvml()
+    driver = simulated(ONE_GPU + f"    errors: [{{field: temperature, error: {error}}}]\n")
+    nvml = Nvml(library=driver)
     nvml.init()
     info = nvml.read_info(0)
     with pytest.raises(GpuFailed) as failed:
@@ -172,8 +172,10 @@ def test_gpu_level_errors_fail_the_gpu(simulated, error):
 
 
 def test_library_level_errors_make_nvml_unavailable(simulated, clock):
-    simulated(ONE_GPU + "    errors: [{field: memory, error: DriverNotLoaded, from: 1s}]\n")
-    nvml = Nvml()
+    driver = simulated(
+        ONE_GPU + "    errors: [{field: memory, error: DriverNotLoaded, from: 1s}]\n"
+    )
+    nvml = Nvml(library=driver)
     nvml.init()
     info = nvml.read_info(0)
     clock.advance(1)
@@ -183,16 +185,16 @@ def test_library_level_errors_make_nvml_unavailable(simulated, clock):
 
 
 def test_init_failure_names_the_cause(simulated):
-    simulated("driver: {errors: [{field: init, error: DriverNotLoaded}]}\ngpus: [{}]\n")
+    driver = simulated("driver: {errors: [{field: init, error: DriverNotLoaded}]}\ngpus: [{}]\n")
     with pytest.raises(NvmlUnavailable) as failed:
-        Nvml().init()
+        Nvml(library=driver).init()
     assert failed.value.error == "DriverNotLoaded"
     assert "DriverNotLoaded" in str(failed.value)
 
 
 def test_calls_are_counted(simulated):
-    simulated(ONE_GPU)
-    nvml = Nvml()
+    driver = simulated(ONE_GPU)
+    nvml = Nvml(library=driver)
     nvml.init()
     info = nvml.read_info(0)
     before = nvml.calls
@@ -201,8 +203,8 @@ def test_calls_are_counted(simulated):
 
 
 def test_mig_devices_are_read_with_the_static_facts(simulated):
-    simulated("gpus:\n  - {mig_devices: [MIG-1111, MIG-2222]}\n  - {}\n")
-    nvml = Nvml()
+    driver = simulated("gpus:\n  - {mig_devices: [MIG-1111, MIG-2222]}\n  - {}\n")
+    nvml = Nvml(library=driver)
     nvml.init()
     assert nvml.read_info(0).mig_uuids == ("MIG-1111", "MIG-2222")
     assert nvml.read_info(1).mig_uuids == ()
@@ -224,7 +226,7 @@ def _utilization(reading) -> dict[int, float | None]:
 
 def test_process_utilization_is_the_busiest_moment_per_process(simulated, clock):
     driver = simulated(BUSY_AND_IDLE % "{base: 0.5, amplitude: 0.2, period: 4s}")
-    nvml = Nvml(wall=driver.wall)
+    nvml = Nvml(library=driver, wall=driver.wall)
     nvml.init()
     info, first = _read(nvml)
     clock.advance(1.5)
@@ -237,7 +239,7 @@ def test_process_utilization_is_the_busiest_moment_per_process(simulated, clock)
 
 def test_no_busy_process_is_not_found_and_reads_zero_for_all(simulated, clock):
     driver = simulated(BUSY_AND_IDLE % "0")
-    nvml = Nvml(wall=driver.wall)
+    nvml = Nvml(library=driver, wall=driver.wall)
     nvml.init()
     info, reading = _read(nvml)
     clock.advance(5)
@@ -251,7 +253,7 @@ def test_no_busy_process_is_not_found_and_reads_zero_for_all(simulated, clock):
 def test_each_read_covers_the_time_since_the_previous_one(simulated, clock):
     # busy at 60 % until 10 s, idle after; the driver keeps about 17 s of samples
     driver = simulated(BUSY_AND_IDLE % "{from: 0.6, to: 0, start: 10s}")
-    nvml = Nvml(wall=driver.wall)
+    nvml = Nvml(library=driver, wall=driver.wall)
     nvml.init()
     info = nvml.read_info(0)
     seen = []
@@ -264,7 +266,8 @@ def test_each_read_covers_the_time_since_the_previous_one(simulated, clock):
 
 def test_a_timestamp_ahead_of_the_clock_reads_the_whole_buffer_again(simulated, clock):
     driver = simulated(BUSY_AND_IDLE % "{from: 0.6, to: 0, start: 10s}")
-    nvml = Nvml(wall=lambda: driver.wall() - 3600)  # the host's clock was set back an hour
+    # The host's clock was set back an hour.
+    nvml = Nvml(library=driver, wall=lambda: driver.wall() - 3600)
     nvml.init()
     info = nvml.read_info(0)
     for advance in (0, 12, 2):
@@ -283,7 +286,7 @@ def test_a_timestamp_ahead_of_the_clock_reads_the_whole_buffer_again(simulated, 
 )
 def test_unsupported_process_utilization_is_none_and_not_retried(simulated, driver_line, gpu_line):
     driver = simulated(driver_line + BUSY_AND_IDLE % "0.5" + gpu_line)
-    nvml = Nvml(wall=driver.wall)
+    nvml = Nvml(library=driver, wall=driver.wall)
     nvml.init()
     info, first = _read(nvml)
     for reading in (first, nvml.read_gpu(info), nvml.read_gpu(info)):
@@ -299,7 +302,7 @@ def test_failed_process_utilization_is_none_for_that_sample_only(simulated, cloc
         BUSY_AND_IDLE % "0.5"
         + f"    errors: [{{field: process_utilization, error: {error}, until: 5s}}]\n"
     )
-    nvml = Nvml(wall=driver.wall)
+    nvml = Nvml(library=driver, wall=driver.wall)
     nvml.init()
     info, reading = _read(nvml)  # the GPU stays up: every other call on it answered
     assert set(_utilization(reading).values()) == {None}
@@ -314,10 +317,10 @@ def test_failed_process_utilization_is_none_for_that_sample_only(simulated, cloc
 
 
 def test_lost_gpu_during_process_utilization_still_fails_the_gpu(simulated):
-    simulated(
+    driver = simulated(
         BUSY_AND_IDLE % "0.5" + "    errors: [{field: process_utilization, error: GpuIsLost}]\n"
     )
-    nvml = Nvml()
+    nvml = Nvml(library=driver)
     nvml.init()
     info = nvml.read_info(0)
     with pytest.raises(GpuFailed) as failed:
@@ -327,7 +330,7 @@ def test_lost_gpu_during_process_utilization_still_fails_the_gpu(simulated):
 
 def test_a_gpu_without_processes_is_not_asked_for_their_utilization(simulated):
     driver = simulated("gpus: [{utilization: 0.9}]\n")
-    nvml = Nvml()
+    nvml = Nvml(library=driver)
     nvml.init()
     info, reading = _read(nvml)
     nvml.read_gpu(info)

@@ -1,16 +1,27 @@
-"""The simulated driver itself: scenario validation, time, restoration, spawned processes."""
+"""The simulated driver itself: scenario validation, time, spawned processes, and that it is
+handed to the NVML module, never patched into pynvml."""
 
 from __future__ import annotations
 
+import ast
+import json
 import os
+import subprocess
+import sys
 import textwrap
+import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import pynvml
 import pytest
 
 from exporter.config.yamlconf import ConfigError, parse_document
 from exporter.simulate.driver import SimulatedDriver, Value, load_scenario, parse_scenario
+from tests.helpers import load_script
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def parse(text: str):
@@ -62,45 +73,75 @@ def test_values_over_time():
     assert wave.at(1) == pytest.approx(60) and wave.at(3) == pytest.approx(40)
 
 
-def test_unimplemented_functions_raise_function_not_found_and_uninstall_restores():
-    original = pynvml.nvmlDeviceGetCount
-    driver = SimulatedDriver(parse("gpus: [{}]\n")).install()
-    try:
-        pynvml.nvmlInit()
+def _real_functions() -> dict[str, Any]:
+    """pynvml's functions as they are now, by name."""
+    return {name: value for name, value in vars(pynvml).items() if callable(value)}
+
+
+def _unpatched(before: dict[str, Any]) -> list[str]:
+    """The names of pynvml's functions that are no longer those of ``before``."""
+    now = _real_functions()
+    return sorted(n for n in before.keys() | now.keys() if before.get(n) is not now.get(n))
+
+
+def test_unimplemented_functions_raise_function_not_found_and_pynvml_is_untouched():
+    before = _real_functions()
+    with SimulatedDriver(parse("gpus: [{}]\n")) as driver:
+        driver.nvmlInit()
         with pytest.raises(pynvml.NVMLError_FunctionNotFound):
-            pynvml.nvmlDeviceGetBAR1MemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
-        assert pynvml.nvmlDeviceGetCount() == 1
-    finally:
-        driver.uninstall()
-    assert pynvml.nvmlDeviceGetCount is original
+            driver.nvmlDeviceGetBAR1MemoryInfo(driver.nvmlDeviceGetHandleByIndex(0))
+        with pytest.raises(pynvml.NVMLError_FunctionNotFound):  # a wrapper of pynvml's
+            driver.nvmlDeviceGetBoardPartNumber(driver.nvmlDeviceGetHandleByIndex(0))
+        assert driver.nvmlDeviceGetCount() == 1
+        assert _unpatched(before) == []
+    assert _unpatched(before) == []
+
+
+def test_the_driver_has_pynvmls_own_classes_and_constants_but_none_of_its_functions():
+    with SimulatedDriver(parse("gpus: [{memory_total: 80GiB}]\n")) as driver:
+        assert driver.NVMLError is pynvml.NVMLError
+        assert driver.NVMLError_GpuIsLost is pynvml.NVMLError_GpuIsLost
+        assert driver.nvmlMemory_v2 == pynvml.nvmlMemory_v2
+        assert driver.NVML_TEMPERATURE_GPU == pynvml.NVML_TEMPERATURE_GPU
+        for name in ("_nvmlGetFunctionPointer", "_LoadNvmlLibrary", "nvmlNoSuchFunction"):
+            with pytest.raises(AttributeError):
+                getattr(driver, name)
+        driver.nvmlInit()
+        memory = driver.nvmlDeviceGetMemoryInfo(
+            driver.nvmlDeviceGetHandleByIndex(0), version=pynvml.nvmlMemory_v2
+        )
+        assert isinstance(memory, pynvml.c_nvmlMemory_v2_t) and memory.total == 80 * 1024**3
 
 
 def test_calls_before_init_raise_uninitialized():
-    with SimulatedDriver(parse("gpus: [{}]\n")), pytest.raises(pynvml.NVMLError_Uninitialized):
-        pynvml.nvmlDeviceGetCount()
+    with (
+        SimulatedDriver(parse("gpus: [{}]\n")) as driver,
+        pytest.raises(pynvml.NVMLError_Uninitialized),
+    ):
+        driver.nvmlDeviceGetCount()
 
 
-def test_spawned_processes_are_real_and_stopped_on_uninstall():
+def test_spawned_processes_are_real_and_stopped_on_stop():
     driver = SimulatedDriver(
         parse('gpus: [{processes: [{spawn: [python3, -c, "import time; time.sleep(60)"]}]}]\n')
-    ).install()
+    ).start()
     try:
-        pid = driver._pids[(0, 0)]
+        pid = driver.processes.pids[(0, 0)]
         assert os.path.exists(f"/proc/{pid}")
-        pynvml.nvmlInit()
-        listed = pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(0))
+        driver.nvmlInit()
+        listed = driver.nvmlDeviceGetComputeRunningProcesses(driver.nvmlDeviceGetHandleByIndex(0))
         assert [p.pid for p in listed] == [pid]
     finally:
-        driver.uninstall()
+        driver.stop()
     assert not os.path.exists(f"/proc/{pid}")
 
 
 def test_call_latency_is_paid_per_call():
-    with SimulatedDriver(parse("driver: {call_latency: 2ms}\ngpus: [{}]\n")):
-        pynvml.nvmlInit()
+    with SimulatedDriver(parse("driver: {call_latency: 2ms}\ngpus: [{}]\n")) as driver:
+        driver.nvmlInit()
         started = time.perf_counter()
         for _ in range(10):
-            pynvml.nvmlDeviceGetCount()
+            driver.nvmlDeviceGetCount()
         assert time.perf_counter() - started >= 0.02
 
 
@@ -116,21 +157,21 @@ def test_spawned_processes_hold_their_device_and_orphans_lose_their_job():
             " orphan_after: 300ms}\n"
             '      - {spawn: [python3, -c, "import time; time.sleep(60)"], holds_device: false}\n'
         )
-    ).install()
+    ).start()
     try:
-        held, orphan, free = (driver._pids[(0, i)] for i in range(3))
+        held, orphan, free = (driver.processes.pids[(0, i)] for i in range(3))
         procfs = ProcFs()
         leader = procfs.process(orphan).pgid  # the job's leader holds the GPU while it lives
         device = file_identity(f"{driver.dev_root}/nvidia0")
         holders, unreadable = scan_fd_holders("/proc", {device: "gpu0"})
         assert holders["gpu0"] == {held, orphan, leader}
         assert not {held, orphan, free} & unreadable
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        listed = [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
+        driver.nvmlInit()
+        handle = driver.nvmlDeviceGetHandleByIndex(0)
+        listed = _listed(driver, handle)
         assert sorted(listed) == sorted([held, leader, orphan, free])
         deadline = time.monotonic() + 5
-        while leader in [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]:
+        while leader in _listed(driver, handle):
             assert time.monotonic() < deadline, "the job leader did not exit"
             time.sleep(0.02)
         info = procfs.process(orphan)
@@ -139,7 +180,7 @@ def test_spawned_processes_hold_their_device_and_orphans_lose_their_job():
         assert procfs.process(held).ppid == os.getpid()
         assert procfs.process(free) is not None  # alive, and not among the holders
     finally:
-        driver.uninstall()
+        driver.stop()
     assert not os.path.exists(driver.dev_root)
     deadline = time.monotonic() + 5
     while os.path.exists(f"/proc/{orphan}") and time.monotonic() < deadline:
@@ -160,17 +201,22 @@ def test_a_line_through_points():
 
 
 def test_c_symbols_serve_pynvmls_own_struct_code():
-    """Tools that call NVML's C symbols (nvitop does) get the same simulated answers."""
+    """Tools that call NVML's C symbols (nvitop does) get the same simulated answers, once the
+    benchmark installed the simulation globally; uninstalled, pynvml is as it was."""
+    global_nvml = load_script(REPO / "bench" / "global_nvml.py")
+    before = _real_functions()
+    real = dict(before)  # pynvml's own functions, which call the C symbols
     driver = SimulatedDriver(
         parse(
             "gpus: [{memory_total: 80GiB, memory_reserved: 1GiB,"
             " processes: [{pid: self, memory: 2GiB}]}]\n"
         )
-    ).install()
+    ).start()
+    uninstall = global_nvml.install_globally(driver)
     try:
         pynvml.nvmlInit()
+        assert driver.calls["nvmlInit"] == 1
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        real = driver._saved  # pynvml's own functions, which call the C symbols
         (proc,) = real["nvmlDeviceGetComputeRunningProcesses_v3"](handle)
         assert (proc.pid, proc.usedGpuMemory) == (os.getpid(), 2 * 1024**3)
         memory = real["nvmlDeviceGetMemoryInfo"](handle, version=pynvml.nvmlMemory_v2)
@@ -180,25 +226,27 @@ def test_c_symbols_serve_pynvmls_own_struct_code():
         with pytest.raises(pynvml.NVMLError_FunctionNotFound):
             pynvml._nvmlGetFunctionPointer("nvmlDeviceGetBAR1MemoryInfo")
     finally:
-        driver.uninstall()
+        uninstall()
+        driver.stop()
+    assert _unpatched(before) == []
 
 
-def _listed(handle) -> list[int]:
-    return [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
+def _listed(driver: SimulatedDriver, handle) -> list[int]:
+    return [p.pid for p in driver.nvmlDeviceGetComputeRunningProcesses(handle)]
 
 
 def test_a_churning_pid_is_a_new_pid_every_period(simulated, clock):
-    simulated(
+    driver = simulated(
         "gpus:\n"
         "  - processes:\n"
         "      - {pid: 5000000, churn: 1s}\n"
         "      - {pid: 6000000, churn: 250ms, from: 2s}\n"
     )
-    pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    driver.nvmlInit()
+    handle = driver.nvmlDeviceGetHandleByIndex(0)
     seen = []
     for _ in range(7):  # t = 0, 0.5, ... 3 s
-        seen.append(_listed(handle))
+        seen.append(_listed(driver, handle))
         clock.advance(0.5)
     assert seen == [
         [5000000],
@@ -225,31 +273,31 @@ def test_a_churning_spawn_is_a_new_child_every_period_and_the_old_one_is_reaped(
         "  - processes:\n"
         '      - {spawn: [python3, -c, "import time; time.sleep(60)"], churn: 1s}\n'
     )
-    pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-    (first,) = _listed(handle)
+    driver.nvmlInit()
+    handle = driver.nvmlDeviceGetHandleByIndex(0)
+    (first,) = _listed(driver, handle)
     clock.advance(0.5)
-    assert _listed(handle) == [first]  # the same process within its period
+    assert _listed(driver, handle) == [first]  # the same process within its period
     clock.advance(0.6)
-    (second,) = _listed(handle)
+    (second,) = _listed(driver, handle)
     assert second != first
     assert _state(first) is None  # killed and reaped: not even a zombie
     assert _state(second) in ("R", "S")
-    assert [c.pid for c in driver._children] == [second]  # no Popen kept for the old one
-    driver.uninstall()
+    assert [c.pid for c in driver.processes.children] == [second]  # no Popen kept for the old one
+    driver.stop()
     assert _state(second) is None
 
 
 def test_a_churning_spawn_that_exits_early_is_started_again(simulated, clock):
-    simulated("gpus:\n  - processes:\n      - {spawn: [python3, -c, pass], churn: 1h}\n")
-    pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-    (first,) = _listed(handle)
+    driver = simulated("gpus:\n  - processes:\n      - {spawn: [python3, -c, pass], churn: 1h}\n")
+    driver.nvmlInit()
+    handle = driver.nvmlDeviceGetHandleByIndex(0)
+    (first,) = _listed(driver, handle)
     deadline = time.monotonic() + 10
     while _state(first) not in ("Z", None) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _state(first) == "Z"  # exited, not yet reaped: the next listing reaps it
-    (second,) = _listed(handle)
+    (second,) = _listed(driver, handle)
     assert second != first and _state(first) is None
 
 
@@ -280,17 +328,194 @@ def test_process_utilization_answers_like_a_driver(simulated, clock):
             processes: [{pid: self, sm_utilization: 1}]
         """
     )
-    pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    driver.nvmlInit()
+    handle = driver.nvmlDeviceGetHandleByIndex(0)
     clock.advance(2.5)
-    (sample,) = pynvml.nvmlDeviceGetProcessUtilization(handle, 0)  # idle processes: no sample
+    (sample,) = driver.nvmlDeviceGetProcessUtilization(handle, 0)  # idle processes: no sample
     assert isinstance(sample, pynvml.c_nvmlProcessUtilizationSample_t)
     assert (sample.pid, sample.smUtil) == (os.getpid(), 90)  # the busiest moment, at 2 s
     assert sample.timeStamp == pytest.approx(driver.wall() * 1e6, abs=200_000)  # last moment
     clock.advance(1)  # idle from 3 s
-    (later,) = pynvml.nvmlDeviceGetProcessUtilization(handle, sample.timeStamp)
+    (later,) = driver.nvmlDeviceGetProcessUtilization(handle, sample.timeStamp)
     assert later.smUtil < 90 and later.timeStamp > sample.timeStamp
     with pytest.raises(pynvml.NVMLError_NotFound):
-        pynvml.nvmlDeviceGetProcessUtilization(handle, later.timeStamp)
+        driver.nvmlDeviceGetProcessUtilization(handle, later.timeStamp)
     with pytest.raises(pynvml.NVMLError_NotSupported):
-        pynvml.nvmlDeviceGetProcessUtilization(pynvml.nvmlDeviceGetHandleByIndex(1), 0)
+        driver.nvmlDeviceGetProcessUtilization(driver.nvmlDeviceGetHandleByIndex(1), 0)
+
+
+# -- injected, never patched -----------------------------------------------------------------------
+
+
+def test_status_simulate_leaves_pynvml_alone(tmp_path, monkeypatch, capsys):
+    """``gpu-exporter status --simulate`` in this process: pynvml's functions stay pynvml's,
+    while the simulated sample is taken and after."""
+    from exporter import cli
+
+    before = _real_functions()
+    during: list[list[str]] = []
+
+    class Watching(cli.Collector):
+        def sample(self):
+            during.append(_unpatched(before))
+            return super().sample()
+
+    monkeypatch.setattr(cli, "Collector", Watching)
+    for name in [n for n in os.environ if n.startswith("GPU_EXPORTER_")]:
+        monkeypatch.delenv(name)
+    assert cli.main(["status", "--simulate", "--json", "--lock-dir", str(tmp_path)]) == 0
+    assert len(json.loads(capsys.readouterr().out)["gpus"]) == len(load_scenario("builtin").gpus)
+    assert during == [[]]
+    assert _unpatched(before) == []
+
+
+_RESERVE = """
+import sys
+import pynvml
+from exporter.launcher.api import reserve
+
+before = {name: value for name, value in vars(pynvml).items() if callable(value)}
+
+def changed():
+    now = {name: value for name, value in vars(pynvml).items() if callable(value)}
+    return sorted(n for n in before.keys() | now.keys() if before.get(n) is not now.get(n))
+
+with reserve(1, simulate="builtin", lock_dir=sys.argv[1]) as devices:
+    print(len(devices), changed())
+print(changed())
+"""
+
+
+def test_reserve_with_a_simulation_leaves_pynvml_alone(tmp_path):
+    """A training script that reserves simulated GPUs keeps the real pynvml."""
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_EXPORTER_", "CUDA_"))}
+    done = subprocess.run(
+        [sys.executable, "-c", _RESERVE, str(locks)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["1 []", "[]"]
+
+
+def _patches(tree: ast.AST) -> list[int]:
+    """Lines that change the pynvml module: set or delete one of its attributes (``pynvml.x =``,
+    ``setattr``, ``delattr``, ``del``) or an item of its ``vars()`` or ``__dict__``."""
+    names = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+        if alias.name == "pynvml"
+    }
+
+    def is_pynvml(node: ast.AST) -> bool:
+        return isinstance(node, ast.Name) and node.id in names
+
+    def is_namespace(node: ast.AST) -> bool:  # vars(pynvml) or pynvml.__dict__
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "vars":
+            return bool(node.args) and is_pynvml(node.args[0])
+        return isinstance(node, ast.Attribute) and node.attr == "__dict__" and is_pynvml(node.value)
+
+    def changes(node: ast.AST) -> bool:
+        if isinstance(getattr(node, "ctx", None), (ast.Store, ast.Del)):  # x.a = , del x[k]
+            if isinstance(node, ast.Attribute):
+                return is_pynvml(node.value)
+            return isinstance(node, ast.Subscript) and is_namespace(node.value)
+        if not isinstance(node, ast.Call):
+            return False
+        if getattr(node.func, "id", "") in ("setattr", "delattr"):
+            return bool(node.args) and is_pynvml(node.args[0])
+        return (  # vars(pynvml).update(...), pynvml.__dict__.pop(...)
+            isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("update", "pop", "setdefault", "clear", "__setitem__")
+            and is_namespace(node.func.value)
+        )
+
+    return sorted(node.lineno for node in ast.walk(tree) if changes(node))
+
+
+def test_no_module_of_the_package_patches_pynvml():
+    found = [
+        f"{path.relative_to(REPO)}:{line}"
+        for path in sorted((REPO / "exporter").rglob("*.py"))
+        for line in _patches(ast.parse(path.read_text(), str(path)))
+    ]
+    assert found == []
+
+
+def test_the_check_for_patches_finds_each_way_of_patching():
+    text = (
+        "import pynvml as nv\n"
+        "nv.nvmlInit = None\n"
+        "setattr(nv, 'nvmlShutdown', None)\n"
+        "del nv.nvmlDeviceGetCount\n"
+        "vars(nv)['x'] = 1\n"
+        "nv.__dict__.update(y=2)\n"
+        "value = vars(nv).get('x')\n"  # reading is fine
+        "nv.nvmlInit()\n"
+    )
+    assert _patches(ast.parse(text)) == [2, 3, 4, 5, 6]
+
+
+def test_the_simulation_starts_processes_without_preexec_fn():
+    """No code between fork and exec: the sampler's thread starts processes while others run."""
+    for path in sorted((REPO / "exporter" / "simulate").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        keywords = [node.arg for node in ast.walk(tree) if isinstance(node, ast.keyword)]
+        assert "preexec_fn" not in keywords, path
+
+
+_KILLED = """
+import sys, time
+from exporter.simulate.driver import simulate
+
+driver = simulate(sys.argv[1])
+print(driver.processes.pids[(0, 0)], flush=True)
+time.sleep(60)
+"""
+
+
+def test_spawned_processes_end_when_the_simulating_process_is_killed(tmp_path):
+    """SIGKILL leaves the simulation no time to stop its processes: its guard does."""
+    scenario = tmp_path / "one.yaml"
+    scenario.write_text('gpus: [{processes: [{spawn: [sleep, "60"]}]}]\n')
+    simulating = subprocess.Popen(
+        [sys.executable, "-c", _KILLED, str(scenario)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        assert simulating.stdout is not None
+        child = int(simulating.stdout.readline())
+        assert _state(child) in ("R", "S")
+    finally:
+        simulating.kill()
+        simulating.wait()
+        assert simulating.stdout is not None
+        simulating.stdout.close()
+    deadline = time.monotonic() + 10
+    while _state(child) not in (None, "Z") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _state(child) in (None, "Z")
+
+
+def test_processes_start_from_another_thread(simulated, clock):
+    """Churn restarts happen in the sampler's thread, while others run."""
+    driver = simulated("gpus:\n  - processes:\n      - {spawn: [sleep, '60'], churn: 1s}\n")
+    driver.nvmlInit()
+    handle = driver.nvmlDeviceGetHandleByIndex(0)
+    (first,) = _listed(driver, handle)
+    clock.advance(1)
+    listed: list[list[int]] = []
+    worker = threading.Thread(target=lambda: listed.append(_listed(driver, handle)))
+    worker.start()
+    worker.join(10)
+    ((second,),) = listed
+    assert second != first and _state(second) in ("R", "S")

@@ -1,10 +1,12 @@
-"""The only module that talks to NVML (through pynvml).
+"""The only module that talks to NVML (through pynvml, or a library shaped like it).
 
 Every call goes through :meth:`Nvml.call`, which serialises calls (concurrent NVML calls have
 crashed drivers) and counts them. Functions the driver lacks and fields a GPU does not support are
 remembered, so they are not retried every sample; versioned calls fall back to older versions.
-The simulator (``exporter.simulate.driver``) replaces pynvml's functions underneath this
-module, so this is the code that runs on real GPUs and in every test alike.
+The library is a parameter: pynvml by default, the simulated driver
+(``exporter.simulate.driver``) under ``--simulate`` and in tests. That one has pynvml's
+functions, structures and error classes, so this is the code that runs on real GPUs and in every
+test alike.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def error_name(exc: BaseException) -> str:
     name = type(exc).__name__
     if name.startswith("NVMLError_"):
         return name[len("NVMLError_") :]
-    if isinstance(exc, pynvml.NVMLError):
+    if any(cls.__name__ == "NVMLError" for cls in type(exc).__mro__):  # whichever library's
         return f"Error{getattr(exc, 'value', '')}"
     return name
 
@@ -129,22 +131,15 @@ def _cuda_version(value: int) -> str:
     return f"{value // 1000}.{(value % 1000) // 10}"
 
 
-def _field_value(values: Any) -> float:
-    """The one value of an ``nvmlDeviceGetFieldValues`` answer, raising its own error code."""
-    item = values[0]
-    if item.nvmlReturn != 0:
-        raise pynvml.NVMLError(item.nvmlReturn)
-    return getattr(item.value, _VALUE_FIELDS[item.valueType])
-
-
-def _const(name: str, fallback: int) -> int:
-    return getattr(pynvml, name, fallback)
-
-
 class Nvml:
-    """Serialised, counted access to NVML with memory of what the driver and GPUs lack."""
+    """Serialised, counted access to NVML with memory of what the driver and GPUs lack.
 
-    def __init__(self, *, wall: Callable[[], float] = time.time) -> None:
+    ``library``: the pynvml-shaped library to call (its functions, constants and ``NVMLError``
+    classes); None for pynvml itself.
+    """
+
+    def __init__(self, *, library: Any = None, wall: Callable[[], float] = time.time) -> None:
+        self._lib = pynvml if library is None else library
         #: The host's clock (seconds since the epoch), which NVML's sample timestamps also use.
         self._wall = wall
         self._lock = threading.Lock()
@@ -166,13 +161,24 @@ class Nvml:
     # -- plumbing ---------------------------------------------------------------------------
 
     def call(self, function: str, *args: Any, **kwargs: Any) -> Any:
-        """Call one pynvml function under the NVML lock."""
-        fn = getattr(pynvml, function, None)
+        """Call one function of the library under the NVML lock."""
+        fn = getattr(self._lib, function, None)
         if fn is None:  # an older nvidia-ml-py that does not know this function
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+            raise self._lib.NVMLError(self._lib.NVML_ERROR_FUNCTION_NOT_FOUND)
         with self._lock:
             self.calls += 1
             return fn(*args, **kwargs)
+
+    def _const(self, name: str, fallback: int) -> int:
+        """A constant of the library; ``fallback`` when its version does not define it."""
+        return getattr(self._lib, name, fallback)
+
+    def _field_value(self, values: Any) -> float:
+        """The one value of an ``nvmlDeviceGetFieldValues`` answer, raising its own error."""
+        item = values[0]
+        if item.nvmlReturn != 0:
+            raise self._lib.NVMLError(item.nvmlReturn)
+        return getattr(item.value, _VALUE_FIELDS[item.valueType])
 
     def _read(self, index: int, name: str, errors: list[SampleError], *calls: Call) -> Any:
         """The first of ``calls`` the driver has, converted; None when absent or failed."""
@@ -211,7 +217,7 @@ class Nvml:
         ``NotFound``."""
         try:
             return self.call(candidate.function, *candidate.args, **(candidate.kwargs or {}))
-        except pynvml.NVMLError as exc:
+        except self._lib.NVMLError as exc:
             if candidate.not_found is _NOT_FOUND_IS_ERROR or error_name(exc) != "NotFound":
                 raise
             return candidate.not_found
@@ -273,7 +279,7 @@ class Nvml:
             log.warning("an NVML call is still running; not calling nvmlShutdown")
             return False
         try:
-            fn = getattr(pynvml, "nvmlShutdown", None)
+            fn = getattr(self._lib, "nvmlShutdown", None)
             if fn is not None:
                 self.calls += 1
                 fn()
@@ -332,7 +338,7 @@ class Nvml:
                 index,
                 f"threshold_{name}",
                 errors,
-                Call("nvmlDeviceGetTemperatureThreshold", (handle, _const(const, fallback))),
+                Call("nvmlDeviceGetTemperatureThreshold", (handle, self._const(const, fallback))),
             )
             if value is not None:
                 thresholds[name] = float(value)
@@ -388,7 +394,7 @@ class Nvml:
 
     def _read_memory(self, index: int, handle: Any, errors: list[SampleError]) -> Any:
         calls = [Call("nvmlDeviceGetMemoryInfo", (handle,))]
-        version = getattr(pynvml, "nvmlMemory_v2", None)
+        version = getattr(self._lib, "nvmlMemory_v2", None)
         if version is not None:  # v2 does not count reserved memory as used (R510+)
             calls.insert(
                 0,
@@ -414,7 +420,7 @@ class Nvml:
 
         memory = self._read_memory(index, handle, errors)
         util = read("utilization", Call("nvmlDeviceGetUtilizationRates", (handle,)))
-        sensor = _const("NVML_TEMPERATURE_GPU", 0)
+        sensor = self._const("NVML_TEMPERATURE_GPU", 0)
         temperature = read(
             "temperature",
             Call("nvmlDeviceGetTemperatureV", (handle, sensor)),
@@ -424,8 +430,8 @@ class Nvml:
             "memory_temperature",
             Call(
                 "nvmlDeviceGetFieldValues",
-                (handle, [_const("NVML_FI_DEV_MEMORY_TEMP", _NVML_FI_DEV_MEMORY_TEMP)]),
-                convert=_field_value,
+                (handle, [self._const("NVML_FI_DEV_MEMORY_TEMP", _NVML_FI_DEV_MEMORY_TEMP)]),
+                convert=self._field_value,
             ),
         )
         power = read("power", Call("nvmlDeviceGetPowerUsage", (handle,)))
@@ -444,7 +450,7 @@ class Nvml:
         )
         ecc = {}
         if info.ecc_enabled:
-            volatile = _const("NVML_VOLATILE_ECC", 0)
+            volatile = self._const("NVML_VOLATILE_ECC", 0)
             for name, error_type in (("corrected", 0), ("uncorrected", 1)):
                 value = read(
                     f"ecc_{name}",
