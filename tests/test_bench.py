@@ -6,6 +6,8 @@ the test needs nothing beyond the project's own environment.
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +51,46 @@ def test_quick_run_prints_every_row_and_stops_what_it_started() -> None:
         assert any(line.startswith(name) for line in lines), (name, done.stdout)
     assert "2 GPUs x 2 processes per GPU: 4 distinct real processes" in done.stdout
     assert not (_pool_processes() - before), "the benchmark left its processes running"
+
+
+HTTP_BENCH = REPO / "bench" / "http_bench.py"
+
+
+@pytest.mark.skipif(
+    shutil.which("wrk") is None or shutil.which("nginx") is None,
+    reason="wrk or nginx not installed (Debian: apt-get install wrk nginx-light)",
+)
+def test_http_bench_quick_run_prints_the_table_and_stops_what_it_started() -> None:
+    before, nginx_before = _pool_processes(), _nginx_processes()
+    done = subprocess.run(
+        [sys.executable, str(HTTP_BENCH), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    for row in (
+        "keep-alive: requests/s",
+        "keep-alive: p99 (ms)",
+        "Connection: close: requests/s",
+        "Connection: close: p99 (ms)",
+        "targets:",
+    ):
+        assert row in done.stdout, (row, done.stdout)
+    assert "keep-alive: errors                             0" in done.stdout, done.stdout
+    assert not (_pool_processes() - before), "the benchmark left its processes running"
+    assert not (_nginx_processes() - nginx_before), "nginx left running"
+
+
+def _nginx_processes() -> set[int]:
+    """PIDs of nginx masters and workers (they rename themselves ``nginx: ...``)."""
+    found = set()
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as handle:
+                if handle.read().startswith(b"nginx: "):
+                    found.add(int(name))
+        except (OSError, ValueError):
+            continue
+    return found

@@ -561,6 +561,9 @@ DURATION_KEYS = {
     "actions.thermal.every": "366d",
     "actions.thermal.for": "366d",
     "actions.recommend.every": "366d",
+    "web.head_timeout": "5m",
+    "web.keepalive_timeout": "1h",
+    "web.write_timeout": "10m",
 }
 SIZE_KEYS = {
     "actions.zombie_reaper.leaked_min_memory": "1PiB",

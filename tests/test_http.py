@@ -5,8 +5,10 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
+import os
+import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -16,7 +18,13 @@ from exporter.core.procfs import ProcFs
 from exporter.exposition.metrics import render
 from exporter.sampling.collect import Collector
 from exporter.sampling.sampler import Sampler
-from exporter.web.routes import App, accept_encoding_weights, gzip_preferred, serve
+from exporter.web.routes import (
+    App,
+    accept_encoding_weights,
+    gzip_preferred,
+    openmetrics_preferred,
+    serve,
+)
 
 SCENARIO = """
 gpus:
@@ -54,8 +62,8 @@ def agent(request) -> Iterator[Agent]:
     from exporter.simulate.driver import SimulatedDriver, parse_scenario
 
     text = getattr(request, "param", SCENARIO)
-    driver = SimulatedDriver(parse_scenario(parse_document(text).root())).install()
-    collector = Collector(Nvml(), ProcFs())
+    driver = SimulatedDriver(parse_scenario(parse_document(text).root())).start()
+    collector = Collector(Nvml(library=driver), ProcFs())
     sampler = Sampler(collector, interval=0.1, deadline=0.2, render=render)
     server = serve(App(sampler), "127.0.0.1", 0)
     sampler.start()
@@ -66,7 +74,7 @@ def agent(request) -> Iterator[Agent]:
         server.close()
         sampler.stop(3)
         collector.close()
-        driver.uninstall()
+        driver.stop()
 
 
 def test_routes(agent):
@@ -295,3 +303,244 @@ def test_no_route_calls_nvml_or_procfs(simulated, collector, clock, monkeypatch)
         assert reads == []
     finally:
         server.close()
+
+
+# -- keep-alive, the server's own metrics, OpenMetrics ------------------------------------------
+
+
+@pytest.fixture
+def quick(simulated, collector) -> Iterator[Callable[..., Agent]]:
+    """``quick(**options)``: the real server with ``Options(**options)`` over a sampled host."""
+    from exporter.web.server import Options
+
+    simulated(SCENARIO)
+    sampler = Sampler(collector, interval=60, deadline=60, render=render)
+    sampler.sample_once()
+    started = []
+
+    def start(**options) -> Agent:
+        app = App(sampler)
+        server = serve(app, "127.0.0.1", 0, options=Options(**options))
+        started.append(server)
+        agent = Agent(sampler, server.port)
+        agent.server, agent.app = server, app
+        return agent
+
+    yield start
+    for server in started:
+        server.close()
+
+
+def closed_by_server(sock: socket.socket, timeout: float) -> bool:
+    """Whether the server closes ``sock`` (EOF) within ``timeout``: waits on the socket."""
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_keep_alive_serves_requests_on_one_connection(quick):
+    agent = quick()
+    conn = http.client.HTTPConnection("127.0.0.1", agent.port, timeout=5)
+    try:
+        for path in ("/metrics", "/healthz", "/metrics"):
+            conn.request("GET", path)
+            response = conn.getresponse()
+            body = response.read()
+            assert response.status in (200, 503) and response.getheader("Connection") is None
+        assert b"gpu_up{" in body
+        local = conn.sock.getsockname()
+        conn.request("GET", "/metrics")
+        conn.getresponse().read()
+        assert conn.sock.getsockname() == local  # still the first connection
+        assert agent.server.httpd.connections == 1
+        totals = dict(((p, c), n) for p, c, n in agent.app.http.snapshot()[2])
+        assert totals[("/metrics", 200)] == 3
+    finally:
+        conn.close()
+
+
+def test_connection_close_is_honoured(quick):
+    agent = quick()
+    with socket.create_connection(("127.0.0.1", agent.port), timeout=5) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert b"\r\nConnection: close\r\n" in answer and answer.count(b"HTTP/1.1 ") == 1
+
+
+def test_http_1_0_keeps_the_connection_only_when_asked(quick):
+    agent = quick()
+    with socket.create_connection(("127.0.0.1", agent.port), timeout=5) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):  # to EOF: the server closes
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 ") and b"\r\nConnection: close\r\n" in answer
+    with socket.create_connection(("127.0.0.1", agent.port), timeout=5) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+        answer = sock.recv(65536)
+        assert b"\r\nConnection: keep-alive\r\n" in answer
+        sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        second = b""
+        while chunk := sock.recv(65536):
+            second += chunk
+        assert second.startswith(b"HTTP/1.1 ") and b"\r\nConnection: close\r\n" in second
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_the_timeout(quick):
+    agent = quick(keepalive_timeout=0.5)
+    with socket.create_connection(("127.0.0.1", agent.port), timeout=5) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 ")
+        started = time.monotonic()
+        assert closed_by_server(sock, 5)  # EOF, without a word
+        assert 0.4 <= time.monotonic() - started < 3
+    wait_for(lambda: agent.server.httpd.connections == 0)
+
+
+def test_keepalive_timeout_0_closes_after_every_response(quick):
+    agent = quick(keepalive_timeout=0)
+    _, headers, _ = agent.get("/healthz")
+    assert headers["Connection"] == "close"
+
+
+def test_the_head_deadline_applies_to_every_request_on_a_connection(quick):
+    agent = quick(head_timeout=0.5, keepalive_timeout=30)
+    with socket.create_connection(("127.0.0.1", agent.port), timeout=5) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 ")
+        sock.sendall(b"GET /healthz HTTP/1.1\r\n")  # the second head, never finished
+        started = time.monotonic()
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408 ") and 0.4 <= time.monotonic() - started < 3
+    assert agent.app.http.rejected == 1
+
+
+def http_samples(agent: Agent) -> dict:
+    _, _, body = agent.get("/metrics")
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(body.decode())
+        for s in f.samples
+        if s.name.startswith(("gpu_exporter_http_", "process_"))
+    }
+
+
+def test_the_server_exports_its_own_state(quick):
+    agent = quick(max_connections=3)
+    idle = [socket.create_connection(("127.0.0.1", agent.port), timeout=5) for _ in range(2)]
+    try:
+        wait_for(lambda: agent.server.httpd.connections == 2)
+        extra = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
+        wait_for(lambda: agent.server.httpd.connections == 3)
+        with socket.create_connection(("127.0.0.1", agent.port), timeout=5) as refused:
+            assert closed_by_server(refused, 5)  # the fourth: over the cap
+        extra.close()
+        wait_for(lambda: agent.server.httpd.connections == 2)
+        agent.get("/nope")
+        wait_for(lambda: agent.server.httpd.connections == 2)  # its connection gone too
+        found = http_samples(agent)
+    finally:
+        for sock in idle:
+            sock.close()
+    assert found[("gpu_exporter_http_connections", ())] == 3  # two idle and the scrape's
+    assert found[("gpu_exporter_http_rejected_connections_total", ())] == 1
+    assert found[("gpu_exporter_http_requests_total", (("code", "404"), ("path", "other")))] == 1
+
+
+def test_the_path_label_stays_bounded(quick):
+    agent = quick()
+    conn = http.client.HTTPConnection("127.0.0.1", agent.port, timeout=5)
+    try:
+        for _ in range(100):
+            conn.request("GET", "/" + os.urandom(8).hex())
+            assert conn.getresponse().read()
+    finally:
+        conn.close()
+    requests = {
+        dict(labels)["path"]
+        for (name, labels), _ in http_samples(agent).items()
+        if name == "gpu_exporter_http_requests_total"
+    }
+    assert requests == {"other"}  # the scrape that reads them is counted after it
+
+
+def test_process_metrics_are_served(simulated, collector):
+    """The agent's renderer (the sampler's, in ``serve``) adds prometheus_client's process
+    collector, read once per sample."""
+    from exporter.exposition.metrics import render_with_process
+
+    simulated(SCENARIO)
+    sampler = Sampler(collector, interval=60, deadline=60, render=render_with_process)
+    sampler.sample_once()
+    server = serve(App(sampler), "127.0.0.1", 0)
+    try:
+        found = {name for name, _ in http_samples(Agent(sampler, server.port))}
+    finally:
+        server.close()
+    assert {
+        "process_resident_memory_bytes",
+        "process_cpu_seconds_total",
+        "process_open_fds",
+        "process_start_time_seconds",
+    } <= found
+
+
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+
+
+@pytest.mark.parametrize("encoding", [None, "gzip"])
+def test_openmetrics_when_the_scraper_asks(agent, encoding):
+    from prometheus_client.openmetrics.parser import (
+        text_string_to_metric_families as openmetrics_families,
+    )
+
+    headers = {"Accept": PROMETHEUS_ACCEPT}
+    if encoding:
+        headers["Accept-Encoding"] = encoding
+    status, got, body = agent.get("/metrics", headers=headers)
+    if encoding:
+        assert got["Content-Encoding"] == "gzip"
+        body = gzip.decompress(body)
+    assert status == 200
+    assert got["Content-Type"] == "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    assert body.endswith(b"\n# EOF\n") and body.count(b"# EOF") == 1
+    families = {f.name: f for f in openmetrics_families(body.decode())}  # strict: raises
+    assert families["gpu_exporter_samples"].type == "counter"
+    assert families["gpu_exporter_http_requests"].type == "counter"
+    wanted = {"gpu_up", "gpu_exporter_http_connections", "gpu_exporter_snapshot_stale"}
+    assert wanted <= families.keys()
+
+
+@pytest.mark.parametrize(
+    ("accept", "openmetrics"),
+    [
+        (None, False),
+        ("", False),
+        ("*/*", False),  # curl
+        ("text/plain", False),
+        (PROMETHEUS_ACCEPT, True),
+        ("application/openmetrics-text", True),
+        ("Application/OpenMetrics-Text; version=1.0.0", True),
+        ("application/openmetrics-text;q=0", False),
+        ("application/openmetrics-text;q=0.5, text/plain", False),
+        ("application/openmetrics-text;q=0.5, */*", False),
+        ("application/openmetrics-text;q=0.5, text/*;q=0.4", True),
+        ("application/openmetrics-text, text/plain", True),
+        ("application/openmetrics-text;q=bad, text/plain;q=0.1", False),
+        ("application/*", False),
+        ("text/html, application/openmetrics-text;q=0.9", True),
+    ],
+)
+def test_openmetrics_negotiation(accept, openmetrics):
+    assert openmetrics_preferred(accept) is openmetrics

@@ -2,7 +2,8 @@
 
 Methods, malformed or oversized heads and queries, path traversal, floods of idle connections,
 slowloris clients and TLS clients that never handshake. The routes' own errors are covered in
-tests/test_http.py; this file adds what a hostile client can send.
+tests/test_http.py; this file adds what a hostile client can send. The parsing is llhttp's
+(exporter/web/http1.py); the limits and deadlines are the server's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import pytest
 import exporter.web.server
 from exporter.exposition.metrics import render
 from exporter.sampling.sampler import Sampler
+from exporter.web.http1 import Connection, HttpError, Limits, Request
 from exporter.web.routes import App, Server, serve
+from exporter.web.server import Options
 from tests.test_http import Agent, wait_for
 
 SCENARIO = "gpus: [{name: GPU A}, {name: GPU B}]\n"
@@ -48,8 +51,8 @@ def start(simulated, collector) -> Iterator[Callable[..., Server]]:
     sampler.sample_once()
     started: list[Server] = []
 
-    def run(**tls: str) -> Server:
-        server = serve(App(sampler), "127.0.0.1", 0, **tls)
+    def run(options: Options | None = None, **tls: str) -> Server:
+        server = serve(App(sampler), "127.0.0.1", 0, options=options, **tls)
         started.append(server)
         return server
 
@@ -64,9 +67,11 @@ def server(start) -> Server:
 
 
 def exchange(port: int, data: bytes, timeout: float = 5) -> bytes:
-    """Send ``data`` raw, then read until the server closes; what it answered."""
+    """Send ``data`` raw and half-close (the server answers what it got, then sees the end and
+    closes, keep-alive or not), then read until the server closes; what it answered."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
         return read_to_eof(sock)
 
 
@@ -100,7 +105,7 @@ def get(port: int, target: str, method: str = "GET", extra: bytes = b"") -> byte
 
 
 @pytest.mark.parametrize(
-    "method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT", "BREW"]
+    "method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"]
 )
 @pytest.mark.parametrize("path", ["/metrics", "/snapshot", "/", "/nope"])
 def test_every_method_but_get_and_head_gets_405(server, method, path):
@@ -108,6 +113,13 @@ def test_every_method_but_get_and_head_gets_405(server, method, path):
     headers, body = head_and_body(answer)
     assert status_of(answer) == 405, answer
     assert headers["allow"] == "GET, HEAD" and f"{method} is not allowed".encode() in body
+
+
+@pytest.mark.parametrize("method", ["BREW", "get", "G-T"])
+def test_a_method_the_parser_does_not_know_gets_400(server, method):
+    """llhttp knows the registered methods only: anything else is a malformed request line."""
+    answer = get(server.port, "/metrics", method)
+    assert status_of(answer) == 400 and b"unknown or invalid method" in answer, answer
 
 
 @pytest.mark.parametrize("method", ["POST", "GET"])
@@ -122,13 +134,14 @@ def test_the_answer_reaches_a_client_that_sent_a_body(server, method):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.settimeout(5)
         sock.connect(("127.0.0.1", server.port))
-        head = f"{method} /metrics HTTP/1.1\r\nContent-Length: {len(body)}\r\n\r\n"
+        head = f"{method} /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
         sock.sendall(head.encode() + body)
         time.sleep(0.2)  # the server has answered and closed by now
         answer = read_to_eof(sock)
     headers, got = head_and_body(answer)
     assert status_of(answer) == (405 if method == "POST" else 200)
     assert len(got) == int(headers["content-length"]) and (method == "POST" or len(got) > 8192)
+    assert headers["connection"] == "close"  # the unread body ends the connection
 
 
 # -- queries, request lines and headers -----------------------------------------------------
@@ -154,6 +167,7 @@ def test_the_answer_reaches_a_client_that_sent_a_body(server, method):
         ("/?x", 400, b"malformed query string"),
         ("/snapshot?gpu=\x00", 400, b"malformed request target"),
         ("/snapshot?gpu=\x7f", 400, b"malformed request target"),
+        ("/snapshot?gpu=\xe9", 400, b"malformed request target"),
     ],
 )
 def test_malformed_and_huge_queries(server, target, status, needle):
@@ -187,16 +201,27 @@ def test_huge_headers_get_431(server, extra, needle):
     assert status_of(answer) == 431 and needle in answer
 
 
+def test_the_head_limits_come_from_the_settings(start):
+    """``web.max_head_bytes``: the head, and the request and header lines with it."""
+    server = start(Options(max_head=2048))
+    assert status_of(get(server.port, "/metrics", extra=b"X: " + b"a" * 1900 + b"\r\n")) == 200
+    answer = get(server.port, "/metrics", extra=(b"X: " + b"a" * 1100 + b"\r\n") * 2)
+    assert status_of(answer) == 431 and b"request head over 2048 bytes" in answer
+    answer = get(server.port, "/" + "a" * 2100)
+    assert status_of(answer) == 414 and b"request line over 2048 bytes" in answer
+
+
 # -- the head limits, exactly ---------------------------------------------------------------
 
 MAX_HEAD = exporter.web.server.MAX_HEAD
 MAX_LINE = exporter.web.server.MAX_REQUEST_LINE
+LIMITS = Limits(MAX_HEAD, MAX_LINE, exporter.web.server.MAX_HEADER_LINE)
 
 
 def head_of(size: int, target: str = "/metrics") -> bytes:
     """A valid request head of exactly ``size`` bytes (line ends included), padded with headers
     of at most 8000 bytes."""
-    start = f"GET {target} HTTP/1.1\r\nHost: x\r\n".encode()
+    start = f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n".encode()
     pad = size - len(start) - 2
     count = -(-pad // 8000)
     lines = []
@@ -254,9 +279,14 @@ class ScriptedSocket:
         return chunk[:size]
 
 
-def read_scripted(chunks: list[bytes]) -> exporter.web.server.Request:
-    sock = ScriptedSocket(chunks)
-    return exporter.web.server.read_head(sock, time.monotonic() + 60)  # type: ignore[arg-type]
+def read_head(sock: ScriptedSocket) -> Request:
+    request = Connection(sock, LIMITS, 60).read_request(time.monotonic() + 60)  # type: ignore[arg-type]
+    assert request is not None
+    return request
+
+
+def read_scripted(chunks: list[bytes]) -> Request:
+    return read_head(ScriptedSocket(chunks))
 
 
 def by_bytes(data: bytes) -> list[bytes]:
@@ -268,18 +298,18 @@ def test_read_head_limit_is_exact_however_the_bytes_arrive(delivery):
     cut = by_bytes if delivery == "bytes" else lambda data: pieces(data, delivery)
     for size in (MAX_HEAD - 1, MAX_HEAD):
         body = b"x" * 20_000  # what follows the head is no part of it
-        assert read_scripted(cut(head_of(size) + body)).target == "/metrics"
-    with pytest.raises(exporter.web.server.HttpError, match="request head over 65536") as refused:
+        assert read_scripted(cut(head_of(size) + body)).target == b"/metrics"
+    with pytest.raises(HttpError, match="request head over 65536") as refused:
         read_scripted(cut(head_of(MAX_HEAD + 1)))
-    assert refused.value.status.startswith("431 ")
+    assert refused.value.status == 431
 
 
 def test_an_over_long_head_is_refused_before_its_end():
     """The head is refused once it is known to be too long, not when it ends (or never)."""
     head = head_of(MAX_HEAD + 1)
     sock = ScriptedSocket([head[:MAX_HEAD], head[MAX_HEAD:]])  # the last: the final LF
-    with pytest.raises(exporter.web.server.HttpError, match="request head over"):
-        exporter.web.server.read_head(sock, time.monotonic() + 60)  # type: ignore[arg-type]
+    with pytest.raises(HttpError, match="request head over"):
+        read_head(sock)
     assert sock.chunks == [b"\n"]
 
 
@@ -300,40 +330,58 @@ def test_request_and_header_line_limits_are_exact(delivery):
             return [data[:first], data[first:]]
         return [data]
 
-    at_limit = request_line_of(MAX_LINE) + b"\r\n\r\n"
+    at_limit = request_line_of(MAX_LINE) + b"\r\nHost: x\r\n\r\n"
     assert len(read_scripted(cut(at_limit)).target) == MAX_LINE - len("GET  HTTP/1.1")
-    with pytest.raises(exporter.web.server.HttpError, match="request line over") as refused:
-        read_scripted(cut(request_line_of(MAX_LINE + 1) + b"\r\n\r\n"))
-    assert refused.value.status.startswith("414 ")
+    with pytest.raises(HttpError, match="request line over") as refused:
+        read_scripted(cut(request_line_of(MAX_LINE + 1) + b"\r\nHost: x\r\n\r\n"))
+    assert refused.value.status == 414
     header = b"X: " + b"a" * (exporter.web.server.MAX_HEADER_LINE - 3)
     at_limit = header + b"\r\n\r\n"
-    assert read_scripted([b"GET / HTTP/1.1\r\n", *cut(at_limit)]).headers[0][0] == "X"
-    with pytest.raises(exporter.web.server.HttpError, match="header line over") as refused:
-        read_scripted([b"GET / HTTP/1.1\r\n", *cut(b"a" + at_limit)])
-    assert refused.value.status.startswith("431 ")
+    assert read_scripted([b"GET / HTTP/1.0\r\n", *cut(at_limit)]).headers[0][0] == b"X"
+    with pytest.raises(HttpError, match="header line over") as refused:
+        read_scripted([b"GET / HTTP/1.0\r\n", *cut(b"a" + at_limit)])
+    assert refused.value.status == 431
 
 
 @pytest.mark.parametrize(
     ("raw", "status", "needle"),
     [
         (b"GET /metrics\r\n\r\n", 400, b"HTTP/0.9"),
-        (b"GET /metrics\r\n", 400, b"HTTP/0.9"),  # answered without waiting for more
         (b"GARBAGE\r\n\r\n", 400, b"malformed request line"),
         (b"\r\n\r\n\r\n", None, None),  # empty lines only: no request yet; client closes
-        (b"GET  /metrics HTTP/1.1\r\n\r\n", 400, b"malformed request line"),
-        (b"GET /metrics HTTP/1.1 x\r\n\r\n", 400, b"malformed request line"),
-        (b"GET /metrics HTTP/2.0\r\n\r\n", 505, b"HTTP/2.0 is not supported"),
-        (b"GET /metrics HTTP/1\r\n\r\n", 400, b"malformed HTTP version"),
-        (b"GET /metrics FTP/1.1\r\n\r\n", 400, b"malformed HTTP version"),
-        (b"G(T /metrics HTTP/1.1\r\n\r\n", 400, b"malformed method"),
-        (b"GET /met\x01rics HTTP/1.1\r\n\r\n", 400, b"malformed request target"),
-        (b"GET /m\xe9trics HTTP/1.1\r\n\r\n", 400, b"not ASCII"),
-        (b"GET http://[::1/metrics HTTP/1.1\r\n\r\n", 400, b"malformed request target"),
-        (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400, b"not ASCII"),
-        (b"GET /metrics HTTP/1.1\r\nno colon\r\n\r\n", 400, b"malformed header line"),
-        (b"GET /metrics HTTP/1.1\r\nBad Name: a\r\n\r\n", 400, b"malformed header line"),
-        (b"GET /metrics HTTP/1.1\r\nX: a\r\n folded\r\n\r\n", 400, b"line folding"),
-        (b"GET /metrics HTTP/1.1\r\nX: a\x00b\r\n\r\n", 400, b"control character"),
+        (b"GET /metrics HTTP/1.1 x\r\nHost: x\r\n\r\n", 400, b"malformed request head"),
+        (b"GET /metrics HTTP/2.0\r\nHost: x\r\n\r\n", 505, b"HTTP/2.0 is not supported"),
+        (b"GET /metrics HTTP/1\r\nHost: x\r\n\r\n", 400, b"malformed request head"),
+        (b"GET /metrics FTP/1.1\r\nHost: x\r\n\r\n", 400, b"malformed request head"),
+        (b"G(T /metrics HTTP/1.1\r\nHost: x\r\n\r\n", 400, b"malformed request line"),
+        (b"GET /met\x01rics HTTP/1.1\r\nHost: x\r\n\r\n", 400, b"malformed request target"),
+        (b"GET /m\xe9trics HTTP/1.1\r\nHost: x\r\n\r\n", 400, b"malformed request target"),
+        (b"GET http://[::1/metrics HTTP/1.1\r\nHost: x\r\n\r\n", 400, b"malformed request target"),
+        (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400, b"malformed request line"),
+        (b"GET /metrics HTTP/1.1\r\nHost: x\r\nno colon\r\n\r\n", 400, b"malformed request head"),
+        (
+            b"GET /metrics HTTP/1.1\r\nBad Name: a\r\nHost: x\r\n\r\n",
+            400,
+            b"malformed request head",
+        ),
+        (b"GET /metrics HTTP/1.1\r\nHost: x\r\nX: a\x00b\r\n\r\n", 400, b"malformed request head"),
+        (b"GET /metrics HTTP/1.1\r\nHost: x\r\nX: a\r\n folded\r\n\r\n", 400, b"whitespace"),
+        (b"GET /metrics HTTP/1.1\nHost: x\n\n", 400, b"malformed request head"),  # bare LFs
+        (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n", 400, b"Content-Length"),
+        (
+            b"GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n",
+            400,
+            b"Transfer-Encoding",
+        ),
+        # The three the issue names:
+        (b"GET /metrics HTTP/1.1\r\n\r\n", 400, b"HTTP/1.1 request without a Host header"),
+        (b"GET /metrics HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", 400, b"more than one Host header"),
+        (
+            b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\nabc",
+            400,
+            b"Transfer-Encoding can't be present with Content-Length",
+        ),
     ],
 )
 def test_malformed_heads_get_400(server, raw, status, needle):
@@ -343,17 +391,18 @@ def test_malformed_heads_get_400(server, raw, status, needle):
             sock.shutdown(socket.SHUT_WR)
             assert read_to_eof(sock) == b""
             return
-        answer = read_to_eof(sock)  # no SHUT_WR: the server must answer on its own
+        answer = read_to_eof(sock)  # no SHUT_WR: the server must answer on its own, and close
     assert status_of(answer) == status and needle in head_and_body(answer)[1], answer
+    assert head_and_body(answer)[0]["connection"] == "close" and answer.count(b"\r\nDate: ") == 1
 
 
 @pytest.mark.parametrize(
     "raw",
     [
         b"GET /metrics HTTP/1.0\r\n\r\n",
-        b"GET /metrics HTTP/1.1\n\n",  # bare line feeds
         b"\r\nGET /metrics HTTP/1.1\r\nHost: x\r\n\r\n",  # a stray line end before it
         b"GET http://example.com/metrics HTTP/1.1\r\nHost: example.com\r\n\r\n",
+        b"GET  /metrics HTTP/1.1\r\nHost: x\r\n\r\n",  # two spaces: llhttp takes them
     ],
 )
 def test_odd_but_valid_heads_are_served(server, raw):
@@ -361,17 +410,19 @@ def test_odd_but_valid_heads_are_served(server, raw):
     assert status_of(answer) == 200 and b"gpu_up{" in answer
 
 
-def test_one_request_per_connection(server):
-    """Pipelined requests: the first is answered, with Connection: close, and then EOF."""
-    two = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\nGET /snapshot HTTP/1.1\r\nHost: x\r\n\r\n"
+def test_pipelined_requests_are_answered_in_order(server):
+    """Two requests in one send: both answered, in order, on the one connection."""
+    two = b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\nGET /snapshot?gpu=7 HTTP/1.1\r\nHost: x\r\n\r\n"
     answer = exchange(server.port, two)
-    headers, body = head_and_body(answer)
-    assert status_of(answer) == 200 and headers["connection"] == "close"
-    assert len(body) == int(headers["content-length"]) and answer.count(b"HTTP/1.1 ") == 1
+    assert answer.count(b"HTTP/1.1 404 ") == 2, answer
+    assert answer.index(b"no such path '/nope'") < answer.index(b"no GPU '7'")
+    assert b"connection: close" not in answer.lower()
 
 
 def test_head(server):
-    headers, body = head_and_body(exchange(server.port, b"HEAD /metrics HTTP/1.1\r\n\r\n"))
+    headers, body = head_and_body(
+        exchange(server.port, b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    )
     assert body == b"" and int(headers["content-length"]) > 0
 
 
@@ -436,9 +487,8 @@ def scrape(port: int) -> tuple[int, bytes]:
     return status, body
 
 
-def test_500_idle_connections_do_not_stop_a_scrape(start, many_files, monkeypatch):
-    monkeypatch.setattr(exporter.web.server, "HEAD_DEADLINE", 60.0)  # they stay open meanwhile
-    server = start()
+def test_500_idle_connections_do_not_stop_a_scrape(start, many_files):
+    server = start(Options(head_timeout=60.0))  # they stay open meanwhile
     idle: list[socket.socket] = []
     try:
         for i in range(500):
@@ -508,9 +558,8 @@ class Trickler(threading.Thread):
             sock.close()
 
 
-def test_slowloris_clients_do_not_stop_scrapes_and_are_cut_at_the_head_deadline(start, monkeypatch):
-    monkeypatch.setattr(exporter.web.server, "HEAD_DEADLINE", 3.0)
-    server = start()
+def test_slowloris_clients_do_not_stop_scrapes_and_are_cut_at_the_head_deadline(start):
+    server = start(Options(head_timeout=3.0))
     # A byte every 0.1 s: a per-read timeout of any length would never fire.
     slow = Trickler(server.port, 50, period=0.1, give_up=15)
     slow.start()
@@ -530,18 +579,16 @@ def test_slowloris_clients_do_not_stop_scrapes_and_are_cut_at_the_head_deadline(
     wait_for(lambda: server.httpd.connections == 0)
 
 
-def test_408_to_a_client_that_stops_mid_head(start, monkeypatch):
-    monkeypatch.setattr(exporter.web.server, "HEAD_DEADLINE", 0.5)
-    server = start()
+def test_408_to_a_client_that_stops_mid_head(start):
+    server = start(Options(head_timeout=0.5))
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
         sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
         answer = read_to_eof(sock)
     assert status_of(answer) == 408 and b"request head not received in time" in answer
 
 
-def test_connections_beyond_the_cap_are_closed_at_once(start, monkeypatch):
-    monkeypatch.setattr(exporter.web.server, "MAX_CONNECTIONS", 5)
-    server = start()
+def test_connections_beyond_the_cap_are_closed_at_once(start):
+    server = start(Options(max_connections=5))
     idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(5)]
     try:
         wait_for(lambda: server.httpd.connections == 5)
@@ -568,10 +615,12 @@ def pki(tmp_path_factory):
     return _make_pki(tmp_path_factory.mktemp("pki"))
 
 
-def test_tls_client_that_never_handshakes_does_not_block_others(start, pki, monkeypatch):
-    monkeypatch.setattr(exporter.web.server, "HEAD_DEADLINE", 2.0)
+def test_tls_client_that_never_handshakes_does_not_block_others(start, pki):
     server = start(
-        cert_file=pki["server.pem"], key_file=pki["server.key"], client_ca_file=pki["ca.pem"]
+        Options(head_timeout=2.0),
+        cert_file=pki["server.pem"],
+        key_file=pki["server.key"],
+        client_ca_file=pki["ca.pem"],
     )
     silent = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(3)]
     half = socket.create_connection(("127.0.0.1", server.port), timeout=10)
@@ -584,7 +633,7 @@ def test_tls_client_that_never_handshakes_does_not_block_others(start, pki, monk
                 socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw,
                 context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
             ):
-                tls.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                tls.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
                 answer = read_to_eof(tls)
             assert status_of(answer) == 200 and b"gpu_up{" in answer
         # The silent ones are cut at the deadline, not held forever.
@@ -596,10 +645,11 @@ def test_tls_client_that_never_handshakes_does_not_block_others(start, pki, monk
     wait_for(lambda: server.httpd.connections == 0)
 
 
-def test_tls_handshake_sent_byte_by_byte_is_cut_at_the_deadline(start, pki, monkeypatch):
+def test_tls_handshake_sent_byte_by_byte_is_cut_at_the_deadline(start, pki):
     """The head deadline covers the whole handshake, not each read of it."""
-    monkeypatch.setattr(exporter.web.server, "HEAD_DEADLINE", 1.0)
-    server = start(cert_file=pki["server.pem"], key_file=pki["server.key"])
+    server = start(
+        Options(head_timeout=1.0), cert_file=pki["server.pem"], key_file=pki["server.key"]
+    )
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     client = ssl.create_default_context(cafile=pki["ca.pem"]).wrap_bio(
         incoming, outgoing, server_hostname="127.0.0.1"

@@ -85,8 +85,10 @@ def pki(tmp_path):
 
 
 def _start(simulated, **tls):
-    simulated("gpus: [{name: GPU A}]\n")
-    sampler = Sampler(Collector(Nvml(), ProcFs()), interval=1, deadline=1, render=render)
+    driver = simulated("gpus: [{name: GPU A}]\n")
+    sampler = Sampler(
+        Collector(Nvml(library=driver), ProcFs()), interval=1, deadline=1, render=render
+    )
     sampler.sample_once()
     return serve(App(sampler), "127.0.0.1", 0, **tls)
 

@@ -38,6 +38,20 @@ class Listen:
 
 
 @dataclass(frozen=True)
+class WebSettings:
+    """The HTTP server's settings (``web.*``): the exporter-toolkit web config file and the
+    server's limits."""
+
+    config_file: str | None = None
+    healthz_without_auth: bool = False
+    max_connections: int = 1024
+    head_timeout: float = 10.0
+    keepalive_timeout: float = 120.0
+    write_timeout: float = 30.0
+    max_head_bytes: int = 65536
+
+
+@dataclass(frozen=True)
 class Config(Generic[A]):
     """Validated settings of one agent; ``actions`` as the caller's parser made them."""
 
@@ -55,6 +69,7 @@ class Config(Generic[A]):
     history: int
     actions: A
     expose_cmdline: bool = False  # command lines in /snapshot and status (they may hold secrets)
+    web: WebSettings = WebSettings()
 
 
 def parse_listen(value: Any) -> Listen:
@@ -212,6 +227,60 @@ SETTINGS: tuple[Setting, ...] = (
         "default: the process name only)",
     ),
 )
+#: The HTTP server's settings, with their bounds (docs: README.md, docs/security.md).
+WEB_SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "web.config_file",
+        "--web.config.file",
+        _optional_file,
+        None,
+        "exporter-toolkit web config file: TLS, basic auth, response headers (instead of --tls-*)",
+    ),
+    Setting(
+        "web.healthz_without_auth",
+        "--web.healthz-without-auth",
+        switch,
+        False,
+        "serve /healthz without basic auth, for liveness probes (default false)",
+    ),
+    Setting(
+        "web.max_connections",
+        "--web.max-connections",
+        whole(1, 65536),
+        1024,
+        "HTTP connections open at once, idle keep-alive ones included: 1 to 65536 (default 1024)",
+    ),
+    Setting(
+        "web.head_timeout",
+        "--web.head-timeout",
+        duration_between(0.1, 300.0),
+        "10s",
+        "time a client has to send a request head, TLS handshake included: 100ms to 5m "
+        "(default 10s)",
+    ),
+    Setting(
+        "web.keepalive_timeout",
+        "--web.keepalive-timeout",
+        duration_between(0.0, 3600.0),
+        "2m",
+        "time an idle keep-alive connection stays open: 0s (no keep-alive) to 1h (default 2m)",
+    ),
+    Setting(
+        "web.write_timeout",
+        "--web.write-timeout",
+        duration_between(1.0, 600.0),
+        "30s",
+        "time to send a whole response: 1s to 10m (default 30s)",
+    ),
+    Setting(
+        "web.max_head_bytes",
+        "--web.max-head-bytes",
+        whole(1024, 1048576),
+        65536,
+        "largest request head in bytes: 1024 to 1048576 (default 65536)",
+    ),
+)
+SETTINGS += WEB_SETTINGS
 BY_KEY = {setting.key: setting for setting in SETTINGS}
 
 
@@ -284,6 +353,13 @@ def load_config(
             raise ConfigError(
                 origin[given], given, f"needs {needed} too (flag {BY_KEY[needed].flag})"
             )
+    if values["web.config_file"] and values["tls.cert_file"]:
+        raise ConfigError(
+            origin["web.config_file"],
+            "web.config_file",
+            f"and tls.cert_file ({origin['tls.cert_file']}) both configure the server: pick one "
+            "(the web config's tls_server_config, or --tls-cert-file/--tls-key-file)",
+        )
     if scenario is not None and values["simulate"] not in (None, BUILTIN_SCENARIO):
         try:  # a broken scenario fails check-config too, with its own file:line
             scenario(values["simulate"])
@@ -304,6 +380,9 @@ def load_config(
         history=values["history"],
         actions=parsed,
         expose_cmdline=values["expose_cmdline"],
+        web=WebSettings(
+            **{s.key.partition(".")[2]: values[s.key] for s in WEB_SETTINGS},
+        ),
     )
 
 

@@ -1,7 +1,10 @@
-"""Snapshot -> Prometheus text exposition.
+"""Snapshot -> Prometheus text exposition (and OpenMetrics).
 
 The exposition is rendered once per sample (by the sampler thread) and served as bytes; a scrape
-only appends the few liveness lines that depend on the time of the scrape.
+only appends the few lines that depend on the time of the scrape (the Snapshot's age, the HTTP
+server's counters). The process's own ``process_*`` metrics (prometheus_client's process
+collector: memory, CPU, file descriptors) are read with each sample too, so that a scrape reads no
+file. An :class:`Exposition` also gives its families in OpenMetrics, rendered on first use, once.
 A field that is None in the Snapshot has no series; label sets never change shape.
 """
 
@@ -9,16 +12,23 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.process_collector import ProcessCollector
 
 from exporter import __version__
 from exporter.core.snapshot import Gpu, GpuProcess, Snapshot
 from exporter.sampling.stats import SelfStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+#: The line that ends an OpenMetrics exposition (once, after every part).
+OPENMETRICS_EOF = b"# EOF\n"
 GPU_LABELS = ["gpu", "uuid"]
 INFO_LABELS = [
     "gpu",
@@ -45,9 +55,48 @@ class _Families:
         return iter(self._families)
 
 
-def render_families(families: Iterable[Metric]) -> bytes:
+class Exposition(bytes):
+    """The text exposition of some metric families (leaving out those without samples); the
+    same families in OpenMetrics come from :meth:`openmetrics`, rendered on first use, once."""
+
+    _families: tuple[Metric, ...]
+    _openmetrics: bytes | None
+    _lock: threading.Lock
+
+    def __new__(cls, families: Iterable[Metric]) -> Exposition:
+        kept = tuple(f for f in families if f.samples)
+        self = super().__new__(cls, generate_latest(_Families(kept)))
+        self._families, self._openmetrics, self._lock = kept, None, threading.Lock()
+        return self
+
+    def openmetrics(self) -> bytes:
+        """The families in OpenMetrics, without the closing ``# EOF`` (a scrape adds it once,
+        after every part)."""
+        if self._openmetrics is None:
+            with self._lock:
+                if self._openmetrics is None:
+                    self._openmetrics = _openmetrics(self._families)
+        return self._openmetrics
+
+
+def _openmetrics(families: Iterable[Metric]) -> bytes:
+    text = generate_openmetrics(_Families(families))
+    return text[: -len(OPENMETRICS_EOF)] if text.endswith(OPENMETRICS_EOF) else text
+
+
+def openmetrics(exposition: bytes) -> bytes:
+    """``exposition`` (text format) in OpenMetrics, without ``# EOF``: an :class:`Exposition`'s
+    own, else parsed back from the text (slower: prefer Expositions)."""
+    if isinstance(exposition, Exposition):
+        return exposition.openmetrics()
+    if not exposition:
+        return b""
+    return _openmetrics(text_string_to_metric_families(exposition.decode()))
+
+
+def render_families(families: Iterable[Metric]) -> Exposition:
     """Exposition text of ``families``, leaving out those without samples."""
-    return generate_latest(_Families(f for f in families if f.samples))
+    return Exposition(families)
 
 
 def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
@@ -310,9 +359,27 @@ def self_families(snapshot: Snapshot, stats: SelfStats) -> list[Metric]:
     return [build, nvml_up, duration, last, interval, calls, samples, deadline, errors]
 
 
-def render(snapshot: Snapshot, stats: SelfStats) -> bytes:
-    """The exposition text of one Snapshot and the agent's counters."""
+#: prometheus_client's ``process_*`` families of this process (from /proc/self; none elsewhere).
+_PROCESS = ProcessCollector(registry=None)
+
+
+def process_families() -> list[Metric]:
+    """``process_resident_memory_bytes``, ``process_cpu_seconds_total``, ``process_open_fds``
+    and the rest of prometheus_client's process collector, read now."""
+    return list(_PROCESS.collect())
+
+
+def render(snapshot: Snapshot, stats: SelfStats) -> Exposition:
+    """The exposition of one Snapshot and the agent's counters."""
     return render_families([*gpu_families(snapshot), *self_families(snapshot, stats)])
+
+
+def render_with_process(snapshot: Snapshot, stats: SelfStats) -> Exposition:
+    """:func:`render` and the process's own ``process_*`` metrics, read now: what the agent
+    serves (the sampler calls it once per sample, so a scrape reads no file)."""
+    return render_families(
+        [*gpu_families(snapshot), *self_families(snapshot, stats), *process_families()]
+    )
 
 
 def render_liveness(age_seconds: float | None, stale: bool) -> bytes:
@@ -329,3 +396,49 @@ def render_liveness(age_seconds: float | None, stale: bool) -> bytes:
         f"gpu_exporter_snapshot_stale {1 if stale else 0}",
     ]
     return ("\n".join(lines) + "\n").encode()
+
+
+_HTTP_HELP = (
+    (
+        "gpu_exporter_http_connections",
+        "gauge",
+        "HTTP connections open now (idle keep-alive ones included).",
+    ),
+    (
+        "gpu_exporter_http_rejected_connections",
+        "counter",
+        "Connections refused at the connection cap or dropped for a bad or slow request head.",
+    ),
+    (
+        "gpu_exporter_http_requests",
+        "counter",
+        "HTTP requests answered, by path (a known route, else other) and status code.",
+    ),
+)
+
+
+def render_http(
+    connections: int,
+    rejected: int,
+    requests: Iterable[tuple[str, int, int]],
+    openmetrics: bool = False,
+) -> bytes:
+    """The HTTP server's ``gpu_exporter_http_*`` lines, as of the scrape: ``requests`` are
+    (path, status code, count). Text format, or OpenMetrics (counters' HELP and TYPE name the
+    family without ``_total``)."""
+    lines: list[str] = []
+    values = (
+        [("", connections)],
+        [("", rejected)],
+        [(f'{{code="{code}",path="{_label(path)}"}}', n) for path, code, n in requests],
+    )
+    for (name, kind, doc), series in zip(_HTTP_HELP, values, strict=True):
+        sample = name + "_total" if kind == "counter" else name
+        family = name if openmetrics else sample
+        lines += [f"# HELP {family} {doc}", f"# TYPE {family} {kind}"]
+        lines += [f"{sample}{labels} {value}" for labels, value in series]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,27 +1,42 @@
 """HTTP routes over the latest Snapshot: ``/metrics``, ``/healthz``, ``/snapshot`` and ``/``.
 
 No route calls NVML or procfs: they read ``sampler.latest``. The server is
-``exporter.web.server``: a thread per connection, deadlines and limits against hostile clients, TLS
-and client-certificate authentication.
+``exporter.web.server``: a thread per connection, llhttp for parsing, deadlines and limits
+against hostile clients, keep-alive, TLS and client-certificate authentication; basic
+authentication and extra headers come from the web config (``exporter.web.webconfig``).
+
+``/metrics`` speaks the Prometheus text format, or OpenMetrics when the scraper asks for it in
+``Accept`` (Prometheus does), gzipped when it asks for that in ``Accept-Encoding``.
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import re
+import ssl
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 from urllib.parse import parse_qs
 
 from exporter import __version__
 from exporter.core.selection import Policy, Recommendation
 from exporter.core.visible import check_well_formed, visible_uuids
-from exporter.exposition.metrics import CONTENT_TYPE, render_liveness
+from exporter.exposition.metrics import (
+    CONTENT_TYPE,
+    OPENMETRICS_CONTENT_TYPE,
+    OPENMETRICS_EOF,
+    openmetrics,
+    render_http,
+    render_liveness,
+)
 from exporter.sampling.sampler import Sampler
-from exporter.web.server import HttpServer, tls_context
+from exporter.web.auth import BasicAuth
+from exporter.web.compress import GzipCache
+from exporter.web.server import HttpServer, Options, WsgiApp, tls_context
+from exporter.web.stats import HttpStats
+from exporter.web.webconfig import WebConfig
 
 
 class Actions(Protocol):
@@ -74,10 +89,13 @@ class BadRequest(Exception):
 
 @dataclass(frozen=True)
 class Response:
+    """A route's answer; ``parts``, when given, are the body (sent in order, never joined)."""
+
     status: str
     content_type: str
     body: bytes
     headers: tuple[tuple[str, str], ...] = ()
+    parts: tuple[bytes, ...] = ()
 
 
 def _text(status: str, message: str) -> Response:
@@ -99,6 +117,9 @@ class App:
             "/snapshot": (self.snapshot, frozenset({"gpu"})),
             "/recommend": (self.recommend, RECOMMEND_PARAMS),
         }
+        #: The server's counters (``gpu_exporter_http_*``); requests by route, else ``other``.
+        self.http = HttpStats(self._routes)
+        self._gzip = {False: GzipCache(), True: GzipCache()}  # by OpenMetrics or not
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         try:
@@ -108,15 +129,14 @@ class App:
         except Exception:  # never a traceback to the client, and the server goes on
             log.exception("error serving %s", environ.get("PATH_INFO"))
             response = _text("500 Internal Server Error", "internal error; see the agent's log")
-        headers = [("Content-Type", response.content_type), *response.headers]
-        body = response.body
-        if environ.get("REQUEST_METHOD") == "HEAD":
-            headers.append(("Content-Length", str(len(body))))
-            body = b""
-        else:
-            headers.append(("Content-Length", str(len(body))))
+        parts = response.parts or (response.body,)
+        headers = [
+            ("Content-Type", response.content_type),
+            *response.headers,
+            ("Content-Length", str(sum(map(len, parts)))),
+        ]
         start_response(response.status, headers)
-        return [body]
+        return [] if environ.get("REQUEST_METHOD") == "HEAD" else list(parts)
 
     def _dispatch(self, environ: dict[str, Any]) -> Response:
         method = environ.get("REQUEST_METHOD", "GET")
@@ -134,6 +154,8 @@ class App:
 
     @staticmethod
     def _params(query: str, allowed: frozenset[str]) -> dict[str, list[str]]:
+        if not query:
+            return {}
         if len(query) > _MAX_QUERY:
             raise BadRequest("414 URI Too Long", f"query string longer than {_MAX_QUERY} bytes")
         if _BAD_ESCAPE.search(query):
@@ -168,23 +190,31 @@ class App:
         return Response("200 OK", "text/html; charset=utf-8", page.encode())
 
     def metrics(self, params: dict[str, list[str]], environ: dict[str, Any]) -> Response:
+        """The sample's exposition and the actions' (both rendered before, in either format),
+        then the lines of this scrape: the Snapshot's age and the HTTP server's counters."""
         published = self.sampler.latest
         health = self.sampler.health()
-        body = b"".join(
-            (
-                published.exposition if published else b"",
-                self.engine.exposition() if self.engine else b"",
-                render_liveness(health.age_seconds, health.stale),
-            )
+        om = openmetrics_preferred(environ.get("HTTP_ACCEPT"))
+        kept = (
+            published.exposition if published else b"",
+            self.engine.exposition() if self.engine else b"",
         )
+        if om:
+            kept = (openmetrics(kept[0]), openmetrics(kept[1]))
+        connections, rejected, requests = self.http.snapshot()
+        tail = render_liveness(health.age_seconds, health.stale) + render_http(
+            connections, rejected, requests, openmetrics=om
+        )
+        if om:
+            tail += OPENMETRICS_EOF
+        content_type = OPENMETRICS_CONTENT_TYPE if om else CONTENT_TYPE
+        headers: tuple[tuple[str, str], ...] = (("Vary", "Accept, Accept-Encoding"),)
         if gzip_preferred(environ.get("HTTP_ACCEPT_ENCODING")):
-            return Response(
-                "200 OK",
-                CONTENT_TYPE,
-                gzip.compress(body, compresslevel=1),
-                (("Content-Encoding", "gzip"),),
-            )
-        return Response("200 OK", CONTENT_TYPE, body)
+            parts = tuple(self._gzip[om].compress(kept, tail))
+            headers += (("Content-Encoding", "gzip"),)
+        else:
+            parts = (*kept, tail)
+        return Response("200 OK", content_type, b"", headers, parts)
 
     def healthz(self, params: dict[str, list[str]], environ: dict[str, Any]) -> Response:
         health = self.sampler.health()
@@ -240,6 +270,37 @@ class App:
         data["health"] = {"ok": health.ok, "reason": health.reason, "stale": health.stale}
         body = json.dumps(data, indent=1, sort_keys=False).encode()
         return Response("200 OK", "application/json", body)
+
+
+def openmetrics_preferred(accept: str | None) -> bool:
+    """Whether a client sending ``Accept: accept`` gets OpenMetrics rather than the text format.
+
+    Only when it names ``application/openmetrics-text`` (any version) with a weight above 0 and
+    at least the text format's, which ``text/plain``, else ``text/*``, else ``*/*`` gives (a
+    client that accepts anything, as curl's ``*/*``, gets the text format). Prometheus asks for
+    OpenMetrics first and the text format at q=0.5.
+    """
+    if not accept:
+        return False
+    weights: dict[str, float] = {}
+    for element in accept.split(","):
+        media, *params = (part.strip(" \t") for part in element.split(";"))
+        media = media.lower()
+        weight = _q(params)
+        weights[media] = max(weight, weights.get(media, weight))
+    om = weights.get("application/openmetrics-text", 0.0)
+    text = next((weights[m] for m in ("text/plain", "text/*", "*/*") if m in weights), 0.0)
+    return om > 0 and om >= text
+
+
+def _q(params: list[str]) -> float:
+    """The ``q`` among a media range's parameters (1 without one; 0 when it is malformed)."""
+    for param in params:
+        name, equals, value = param.partition("=")
+        if name.strip(" \t").lower() == "q":
+            value = value.strip(" \t")
+            return float(value) if equals and _QVALUE.fullmatch(value) else 0.0
+    return 1.0
 
 
 #: A weight (RFC 9110 12.4.2): 0 to 1, at most three decimals, ASCII digits only.
@@ -329,16 +390,42 @@ def serve(
     cert_file: str | None = None,
     key_file: str | None = None,
     client_ca_file: str | None = None,
+    web: WebConfig | None = None,
+    options: Options | None = None,
+    healthz_without_auth: bool = False,
 ) -> Server:
     """Serve ``app`` on daemon threads, with TLS when ``cert_file`` and ``key_file`` are given
-    (and a client certificate signed by ``client_ca_file`` required when that is given).
+    (and a client certificate signed by ``client_ca_file`` required when that is given), or as
+    the web config ``web`` says (TLS, basic authentication, extra headers; not with
+    ``cert_file``). ``options``: the server's limits. ``healthz_without_auth``: ``/healthz``
+    needs no password (for liveness probes).
 
     Raises OSError when the address cannot be bound or a TLS file cannot be loaded.
     """
     if bool(cert_file) != bool(key_file) or (client_ca_file and not cert_file):
         raise ValueError("TLS needs cert_file and key_file, and client_ca_file needs both")
-    context = tls_context(cert_file, key_file, client_ca_file) if cert_file and key_file else None
+    if web is not None and cert_file:
+        raise ValueError("TLS from cert_file or from the web config: pick one")
+    context: ssl.SSLContext | None
+    if cert_file and key_file:
+        context = tls_context(cert_file, key_file, client_ca_file)
+    else:
+        context = web.ssl_context if web is not None else None
+    wsgi: WsgiApp = app
+    options = options or Options()
+    if web is not None:
+        if web.users:
+            wsgi = BasicAuth(app, web.users, ("/healthz",) if healthz_without_auth else ())
+        options = replace(options, headers=web.headers)
     # The backlog: with socketserver's 5, under 16 concurrent scrapers about 1 % of connections
     # overflowed and waited a 1 s SYN retransmission (docs/benchmarks.md).
-    httpd = HttpServer(app, host, port, ssl_context=context, backlog=LISTEN_BACKLOG)
+    httpd = HttpServer(
+        wsgi,
+        host,
+        port,
+        ssl_context=context,
+        backlog=LISTEN_BACKLOG,
+        options=options,
+        stats=app.http,
+    )
     return Server(httpd.start())
