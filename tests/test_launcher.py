@@ -262,6 +262,12 @@ def test_no_restart_onto_a_lost_gpu(host, tmp_path):
         (("--count", "0"), "--count"),
         (("--min-free-memory", "lots"), "--min-free-memory"),
         (("--policy", "nope"), "--policy"),
+        (("--restart-reset", "0"), "--restart-reset"),
+        (("--restart-reset", "soon"), "--restart-reset"),
+        (("--max-restarts", "infinite"), "--max-restarts"),
+        (("--wait", "inf"), "--wait"),
+        (("--min-free-memory", "20"), "did you mean 20GiB?"),
+        (("--from", "localhost:9402"), "--from"),
     ],
 )
 def test_bad_flags_exit_2(host, args, needle):

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
+from exporter.config.policies import policy_with
+from exporter.config.validate import (
+    duration_or_forever,
+    positive_duration_or_never,
+    size,
+    whole_or_unlimited,
+)
+from exporter.core.selection import Policy
 from exporter.core.units import (
     MAX_DURATION,
     MAX_SIZE,
@@ -204,9 +213,10 @@ def test_format_size(size: int, text: str) -> None:
         ("2k", 2000),
         ("1TiB", 1024**4),
         ("100B", 100),
-        ("100", 100),
-        (1024, 1024),
+        ("0", 0),
         (0, 0),
+        ("1048576", 1024**2),  # a bare number is bytes from 1 MiB on
+        (8 * 1024**3, 8 * 1024**3),
     ],
 )
 def test_parse_size_accepts(text: object, size: int) -> None:
@@ -259,3 +269,58 @@ def test_format_bytes(value: float | None, text: str) -> None:
 def test_format_bytes_round_trips_parse_size() -> None:
     assert format_bytes(parse_size("4GiB")) == "4.0GiB"
     assert format_bytes(parse_size("537MiB")) == "537.0MiB"
+
+
+# -- a bare number below 1 MiB is a forgotten unit -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("bare", "shown"),
+    [("20", "20"), (20, "20"), ("  8 ", "8"), ("0.5", "0.5"), (1024, "1024"), (1048575, "1048575")],
+)
+def test_a_small_size_without_a_unit_is_refused_with_a_hint(bare: object, shown: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_size(bare)
+    assert (
+        str(info.value)
+        == f"{shown} has no unit: did you mean {shown}GiB? (write {shown}B for bytes)"
+    )
+
+
+@pytest.mark.parametrize("spelled", ["20B", "20b", "1024B", "20 B"])
+def test_bytes_spelled_as_bytes_are_fine(spelled: str) -> None:
+    assert parse_size(spelled) == int(spelled.strip().rstrip("Bb").strip())
+
+
+def test_the_config_key_the_query_parameter_and_the_flag_agree() -> None:
+    """One parser behind the three: YAML (validate.size), /recommend and the flags
+    (policies.policy_with)."""
+    for parse in (size, lambda raw: policy_with(Policy("p"), {"min_free_memory": raw})):
+        with pytest.raises(ValueError, match=r"did you mean 20GiB\?"):
+            parse("20")
+    with pytest.raises(ValueError, match=r"did you mean 20GiB\?"):
+        size(20)  # a YAML integer too
+    assert size("20GiB") == policy_with(Policy("p"), {"min_free_memory": "20GiB"}).min_free_memory
+
+
+# -- words for "no limit" ----------------------------------------------------------------------
+
+
+def test_forever_unlimited_and_never() -> None:
+    assert duration_or_forever("forever") == math.inf
+    assert duration_or_forever(" Forever ") == math.inf
+    assert duration_or_forever("10m") == 600
+    assert whole_or_unlimited(0, 10)("unlimited") is None
+    assert whole_or_unlimited(0, 10)("3") == 3
+    assert positive_duration_or_never("never") is None
+    assert positive_duration_or_never("10m") == 600
+    for parse, bad, needle in [
+        (duration_or_forever, "inf", "(or forever)"),
+        (duration_or_forever, "soon", "(or forever)"),
+        (duration_or_forever, "-5s", "-5s"),
+        (whole_or_unlimited(0, 10), "many", "(or unlimited)"),
+        (whole_or_unlimited(0, 10), "11", "from 0 to 10"),
+        (positive_duration_or_never, "0", "more than 0s"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            parse(bad)

@@ -13,16 +13,22 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from exporter.core.units import (
+    FOREVER,
     MAX_DURATION,
     MAX_SIZE,
+    NEVER,
+    UNLIMITED,
     format_duration,
     parse_duration,
     parse_size,
     quoted,
 )
+
+T = TypeVar("T")
+U = TypeVar("U")
 
 
 def positive_duration(raw: Any) -> float:
@@ -53,8 +59,36 @@ def duration_between(minimum: float, maximum: float) -> Callable[[Any], float]:
 
 
 def size(raw: Any) -> int:
-    """A size in bytes (``4GiB``, ``512MiB``), at most ``MAX_SIZE``."""
+    """A size in bytes (``4GiB``, ``512MiB``), at most ``MAX_SIZE``; a bare number below 1 MiB
+    (but 0) is refused with "did you mean 20GiB?" (see ``core.units.parse_size``)."""
     return parse_size(raw, MAX_SIZE)
+
+
+def or_word(parse: Callable[[Any], T], word: str, value: U) -> Callable[[Any], T | U]:
+    """``parse``, or ``word`` (in any case) for ``value``: ``or_word(duration, "forever",
+    math.inf)`` takes ``10m`` and ``forever``. A message about the form names the word too."""
+
+    def parsed(raw: Any) -> T | U:
+        if isinstance(raw, str) and raw.strip().lower() == word:
+            return value
+        try:
+            return parse(raw)
+        except ValueError as exc:
+            hint = f" (or {word})" if str(exc).startswith("expected") else ""
+            raise ValueError(f"{exc}{hint}") from None
+
+    return parsed
+
+
+#: A duration from zero to ``MAX_DURATION``, or ``forever`` (``math.inf``): ``--wait``.
+duration_or_forever: Callable[[Any], float] = or_word(duration, FOREVER, math.inf)
+#: A duration greater than zero, or ``never`` (None): ``--restart-reset``.
+positive_duration_or_never: Callable[[Any], float | None] = or_word(positive_duration, NEVER, None)
+
+
+def whole_or_unlimited(minimum: int, maximum: int) -> Callable[[Any], int | None]:
+    """A whole number from ``minimum`` to ``maximum``, or ``unlimited`` (None)."""
+    return or_word(whole(minimum, maximum), UNLIMITED, None)
 
 
 def ratio(raw: Any) -> float:

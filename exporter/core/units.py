@@ -39,6 +39,14 @@ _SHOWN = 40  # characters of a value quoted back in an error
 MAX_DURATION = 366 * 86400.0
 #: The largest size anything accepts: 1 PiB, far more than any GPU or host has.
 MAX_SIZE = 1024**5
+#: A size written without a unit is a count of bytes only from here on: ``20`` is far more
+#: likely a forgotten ``GiB`` than 20 bytes of GPU memory, so a bare number from 1 to below
+#: this is refused with a hint (``0`` and ``20B`` are fine).
+BARE_BYTES_MIN = 1024**2
+#: The words for "no limit" that a duration or a count may take where the caller allows it
+#: (``--wait forever``, ``--max-restarts unlimited``, ``--restart-reset never``); see
+#: ``config.validate.or_word``.
+FOREVER, UNLIMITED, NEVER = "forever", "unlimited", "never"
 
 
 def parse_duration(value: object, maximum: float = MAX_DURATION) -> float:
@@ -82,7 +90,9 @@ def _duration_seconds(value: object) -> float:
 
 def parse_size(value: object, maximum: int = MAX_SIZE) -> int:
     """Bytes from an integer or a string like ``512MiB``, ``4GiB``, ``80GB``; from 0 to
-    ``maximum`` (default :data:`MAX_SIZE`)."""
+    ``maximum`` (default :data:`MAX_SIZE`). A number without a unit is bytes only when it is 0
+    or at least :data:`BARE_BYTES_MIN` (YAML integers and strings alike); ``20`` is refused with
+    "did you mean 20GiB?"."""
     number, unit = _size_parts(value)
     if unit not in _SIZE_UNITS:
         raise ValueError(
@@ -93,10 +103,18 @@ def parse_size(value: object, maximum: int = MAX_SIZE) -> int:
         raise ValueError(f"expected a finite size, got {shown(value)}")
     if number < 0:
         raise ValueError(f"a size must be 0 or more, got {shown(value)}")
+    if unit == "" and 0 < number < BARE_BYTES_MIN:
+        raise ValueError(_bare_hint(value))
     total = number * _SIZE_UNITS[unit]
     if total > maximum:
         raise ValueError(f"{shown(value)} is larger than the maximum {format_size(maximum)}")
     return int(total)
+
+
+def _bare_hint(value: object) -> str:
+    """The message for a small size without a unit (``20``): what was probably meant."""
+    text = shown(value)
+    return f"{text} has no unit: did you mean {text}GiB? (write {text}B for bytes)"
 
 
 def _size_parts(value: object) -> tuple[float, str]:

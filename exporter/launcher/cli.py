@@ -1,50 +1,66 @@
 """``gpu-exporter recommend`` and ``gpu-exporter run``.
 
-Exit codes: 0 success (``run``: the job's own status, 128+N when signal N ended it); 75 fewer
-GPUs than asked for are available now; 124 ``--wait`` ran out; 1 the launcher could not work
-(NVML unavailable, agent unreachable, a bad lock directory); 2 bad usage; 126/127 the command
-could not be run.
+Exit codes: 0 success (``run``: the job's own status, 128+N when signal N ended it, or stopped
+the launcher between two attempts or while it waited); 75 fewer GPUs than asked for are
+available now, or no GPUs of this host ever could be; 124 ``--wait`` ran out; 1 the launcher
+could not work (NVML unavailable, agent unreachable, a bad lock directory, lock files that cannot
+be used on too many GPUs); 2 bad usage; 126/127 the command could not be run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
+import signal
 import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, cast
 
 from exporter.config.policies import policy_with
 from exporter.config.settings import Config
-from exporter.config.validate import whole
+from exporter.config.validate import (
+    duration_or_forever,
+    positive_duration_or_never,
+    whole_or_unlimited,
+)
 from exporter.core.locks import LockError, default_lock_dir, open_lock_dir
 from exporter.core.selection import Policy, Recommendation
-from exporter.core.units import parse_duration
-from exporter.launcher.acquire import (
-    EXIT_NO_GPUS,
-    EXIT_WAIT_TIMEOUT,
-    Device,
-    LauncherError,
-    LocalGpus,
+from exporter.core.units import format_duration
+from exporter.launcher.acquire import Advisor, Device, LocalGpus, acquire, choose
+from exporter.launcher.errors import (
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    AgentError,
+    BadArgument,
+    ImpossibleRequest,
+    LaunchError,
+    LockDirError,
     NoGpusAvailable,
-    acquire,
-    choose,
-    explain,
 )
-from exporter.launcher.run import RESTART_POLICIES, RunOptions, Supervisor, job_environment
+from exporter.launcher.run import (
+    RESTART_POLICIES,
+    RESTART_RESET,
+    RunOptions,
+    Supervisor,
+    job_environment,
+)
 
-#: The most restarts --max-restarts takes (a bound, not a goal: use --restart never to stop).
+#: The most restarts --max-restarts takes as a number (``unlimited`` has no bound).
 MAX_RESTARTS = 1_000_000
 
 #: The settings the launcher reads: the agent's, with only the recommendation policies of
 #: ``actions:`` (see ``config.policies.recommend_policies``).
 LauncherConfig = Config[Mapping[str, Policy]]
+#: Of the agent's settings, those ``recommend`` and ``run`` use (by ``dest``): the only ones
+#: their flags offer.
+USED_SETTINGS = frozenset({"config", "simulate", "paths.proc", "paths.locks"})
 
-EXIT_FAILURE, EXIT_USAGE = 1, 2
 FORMATS = ("uuid", "index", "json", "env")
 _FLAGS = {
     "count": "--count",
@@ -54,22 +70,40 @@ _FLAGS = {
     "strategy": "--strategy",
     "exclusive": "--exclusive",
 }
+#: What ``run --from`` checks here, under the lock, of the GPUs the agent chose: up, not
+#: throttling, not locked by another launcher, and the filter flags given. Its count is the
+#: agent's; free memory ranks (any strategy would do: one GPU set is checked).
+AGENT_CHOICE = Policy("--from", strategy="most_free_memory", exclude_zombies=False)
 
 
-class UsageError(Exception):
+class UsageError(BadArgument):
     """A bad flag value: exit 2 with this message."""
+
+
+class Stopped(LaunchError):
+    """A signal stopped the launcher before the job was started: exit 128+N."""
+
+    def __init__(self, signum: int) -> None:
+        self.exit_code = 128 + signum
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name} while choosing GPUs; nothing was started")
 
 
 def add_selection_flags(parser: argparse.ArgumentParser) -> None:
     """The flags ``recommend`` and ``run`` share."""
     parser.add_argument("--count", metavar="N", help="GPUs to choose (default: the policy's, 1)")
     parser.add_argument("--policy", metavar="NAME", default="default", help="recommend policy")
-    parser.add_argument("--min-free-memory", metavar="SIZE", help="at least this free (8GiB)")
-    parser.add_argument("--max-utilization", metavar="R", help="at most this busy (0-1)")
+    parser.add_argument(
+        "--min-free-memory", metavar="SIZE", help="at least this free (8GiB, 500MiB)"
+    )
+    parser.add_argument("--max-utilization", metavar="R", help="at most this busy (0.5 or 50%%)")
     parser.add_argument("--max-temperature", metavar="C", help="at most this hot (celsius)")
     parser.add_argument("--strategy", metavar="NAME", help="override the policy's strategy")
     parser.add_argument(
         "--exclusive", action="store_true", help="only GPUs with no process of any user on them"
+    )
+    parser.add_argument(
+        "--from", dest="source", metavar="URL", help="let a running agent choose (its /recommend)"
     )
 
 
@@ -105,7 +139,7 @@ def _lock_dir(config: LauncherConfig) -> str:
     try:
         return config.lock_dir or default_lock_dir()
     except LockError as exc:
-        raise LauncherError(str(exc)) from None
+        raise LockDirError(str(exc)) from None
 
 
 def _print_choice(recommendation: Recommendation, fmt: str, cuda_ids: Mapping[str, str]) -> None:
@@ -131,9 +165,11 @@ def cmd_recommend(args: argparse.Namespace, config: LauncherConfig) -> int:
         raise UsageError(f"--format: one of {', '.join(FORMATS)}, got {args.format!r}")
     visible_env = os.environ.get("CUDA_VISIBLE_DEVICES")
     cuda_ids: Mapping[str, str] = {}
+    never = ""
     if args.source is not None:  # the agent knows its own policies: check the flags only
         _with_flags(Policy("flags"), args)
-        recommendation, note = _from_agent(args.source, args.policy, _overrides(args), visible_env)
+        ask = _advisor(args.source, args.policy, _overrides(args))
+        recommendation, note = ask(visible_env), ""
     else:
         policy = _policy(config, args)
         with LocalGpus(
@@ -141,25 +177,32 @@ def cmd_recommend(args: argparse.Namespace, config: LauncherConfig) -> int:
         ) as gpus:
             choosing = choose(policy, gpus.samples(policy.window), visible_env)
         recommendation, note, cuda_ids = choosing.recommendation, choosing.note, choosing.cuda_ids
+        never = choosing.never
     if note:
         print(f"gpu-exporter: {note}", file=sys.stderr)
+    if never:
+        raise ImpossibleRequest(recommendation, "", never)
     if not recommendation.ok:
-        print(f"gpu-exporter: {explain(recommendation)}", file=sys.stderr)
-        return EXIT_NO_GPUS
+        raise NoGpusAvailable(recommendation)
     _print_choice(recommendation, args.format, cuda_ids)
     return 0
 
 
+def _advisor(url: str, policy: str, overrides: dict[str, str]) -> Advisor:
+    """Asks the agent at ``url`` (checked now: UsageError unless http:// or https://)."""
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"--from: expected an http:// or https:// URL, got {url!r}")
+    return lambda visible: _from_agent(url, policy, overrides, visible)
+
+
 def _from_agent(
     url: str, policy: str, overrides: dict[str, str], visible_env: str | None
-) -> tuple[Recommendation, str]:
+) -> Recommendation:
     """Ask a running agent's /recommend (it applies its own policies, locks and hotspots)."""
     params = {"policy": policy, **overrides}
     if visible_env is not None:
         params["visible"] = visible_env
     target = url.rstrip("/") + "/recommend?" + urllib.parse.urlencode(params)
-    if not target.startswith(("http://", "https://")):
-        raise UsageError(f"--from: expected an http:// or https:// URL, got {url!r}")
     try:
         with urllib.request.urlopen(target, timeout=10) as response:
             body = response.read()
@@ -167,11 +210,14 @@ def _from_agent(
         body = exc.read()
         if exc.code != 409:  # 409: answered, but too few GPUs qualify
             text = body.decode(errors="replace").strip()
-            raise LauncherError(f"{url}: HTTP {exc.code}: {text}") from None
+            raise AgentError(f"{url}: HTTP {exc.code}: {text}") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise LauncherError(f"cannot reach the agent at {url}: {reason}") from None
-    return _recommendation_from_json(json.loads(body)), ""
+        raise AgentError(f"cannot reach the agent at {url}: {reason}") from None
+    try:
+        return _recommendation_from_json(json.loads(body))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise AgentError(f"{url}: not an answer of /recommend: {exc!r}") from None
 
 
 def _recommendation_from_json(data: dict[str, Any]) -> Recommendation:
@@ -198,32 +244,70 @@ def _recommendation_from_json(data: dict[str, Any]) -> Recommendation:
 
 def cmd_run(args: argparse.Namespace, config: LauncherConfig) -> int:
     """Lock GPUs, run the job on them, pass its exit status on."""
-    command = list(args.job)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        raise UsageError("no command to run: gpu-exporter run [FLAGS] -- CMD ARGS...")
-    if args.restart not in RESTART_POLICIES:
-        raise UsageError(f"--restart: one of {', '.join(RESTART_POLICIES)}, got {args.restart!r}")
-    wait = _parse(args.wait, "--wait", parse_duration) if args.wait is not None else None
-    max_restarts = _parse(args.max_restarts, "--max-restarts", whole(0, MAX_RESTARTS))
-    policy = _policy(config, args)
+    command = _command(args.job)
+    options = _run_options(args, command)
+    wait = _parse(args.wait, "--wait", duration_or_forever) if args.wait is not None else None
+    advisor: Advisor | None = None
+    if args.source is not None:  # the agent chooses; the flags are checked here under the lock
+        policy = _with_flags(AGENT_CHOICE, args)
+        advisor = _advisor(args.source, args.policy, _overrides(args))
+    else:
+        policy = _policy(config, args)
     with (
         open_lock_dir(_lock_dir(config)) as lock_dir,  # resolved once: see locks.open_lock_dir
         LocalGpus(simulate=config.simulate, proc_root=config.proc_root, lock_dir=lock_dir) as gpus,
     ):
-        try:
+        with _stopped_by_signals():
             reservation, devices = acquire(
-                gpus, policy, visible_env=os.environ.get("CUDA_VISIBLE_DEVICES"), wait=wait
+                gpus,
+                policy,
+                visible_env=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                wait=wait,
+                advisor=advisor,
             )
-        except NoGpusAvailable as exc:
-            what = f"no {policy.count} GPU(s) within {wait:g}s" if exc.timed_out else ""
-            print(f"gpu-exporter: {what + ': ' if what else ''}{exc}", file=sys.stderr)
-            return EXIT_WAIT_TIMEOUT if exc.timed_out else EXIT_NO_GPUS
         names = ", ".join(f"{d.index} ({d.uuid})" for d in devices)
         print(f"gpu-exporter: running on GPU {names}", file=sys.stderr)
-        options = RunOptions(command, restart=args.restart, max_restarts=max_restarts)
         return Supervisor(gpus, reservation, devices, options).run()
+
+
+def _command(job: Sequence[str]) -> list[str]:
+    command = list(job)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UsageError("no command to run: gpu-exporter run [FLAGS] -- CMD ARGS...")
+    return command
+
+
+def _run_options(args: argparse.Namespace, command: list[str]) -> RunOptions:
+    """The supervision flags of ``run``, checked."""
+    if args.restart not in RESTART_POLICIES:
+        raise UsageError(f"--restart: one of {', '.join(RESTART_POLICIES)}, got {args.restart!r}")
+    return RunOptions(
+        command,
+        restart=args.restart,
+        max_restarts=_parse(
+            args.max_restarts, "--max-restarts", whole_or_unlimited(0, MAX_RESTARTS)
+        ),
+        restart_reset=_parse(args.restart_reset, "--restart-reset", positive_duration_or_never),
+    )
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """While choosing and waiting for GPUs, SIGINT, SIGTERM and SIGHUP stop the launcher with a
+    message (raise Stopped) instead of a traceback or a silent death."""
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise Stopped(signum)
+
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, stop) for sig in stops}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _parse(raw: str, flag: str, parse: Callable[[str], Any]) -> Any:
@@ -233,28 +317,90 @@ def _parse(raw: str, flag: str, parse: Callable[[str], Any]) -> Any:
         raise UsageError(f"{flag}: {exc}") from None
 
 
+# -- the parsers -----------------------------------------------------------------------------------
+
+
+class _Subcommand(argparse.ArgumentParser):
+    """A subcommand's parser that reports an unknown flag itself, under its own short usage (not
+    the top level's), and reads ``-5s`` as a value for the validators to refuse in one line
+    naming the flag, not as an unknown flag."""
+
+    @classmethod
+    def adopt(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.__class__ = cls
+        # argparse takes an argument that starts with "-" for a flag unless it looks like a
+        # negative number; a negative duration or size is a value too.
+        parser._negative_number_matcher = re.compile(r"^-\.?[0-9]")
+        return parser
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
+class _UsedSettings:
+    """The parser handed to ``add_settings``: it adds only the flags of :data:`USED_SETTINGS`,
+    so that ``run --help`` lists only flags ``run`` uses."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self._parser = parser
+
+    def add_argument(self, *flags: str, **kwargs: Any) -> argparse.Action | None:
+        dest = kwargs.get("dest") or flags[0].lstrip("-").replace("-", "_")
+        return self._parser.add_argument(*flags, **kwargs) if dest in USED_SETTINGS else None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parser, name)
+
+
+def _subcommand(
+    commands: Any,
+    name: str,
+    usage: str,
+    help_text: str,
+    add_settings: Callable[[argparse.ArgumentParser], None],
+) -> argparse.ArgumentParser:
+    parser = _Subcommand.adopt(commands.add_parser(name, help=help_text, usage=f"%(prog)s {usage}"))
+    add_settings(cast(argparse.ArgumentParser, _UsedSettings(parser)))
+    add_selection_flags(parser)
+    return parser
+
+
 def add_parsers(commands: Any, add_settings: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add ``recommend`` and ``run`` to the subcommands."""
-    recommend = commands.add_parser(
-        "recommend", help="print the GPUs to use (exit 75 when too few qualify)"
+    recommend = _subcommand(
+        commands,
+        "recommend",
+        "[FLAGS]",
+        "print the GPUs to use (exit 75 when too few qualify)",
+        add_settings,
     )
-    add_settings(recommend)
-    add_selection_flags(recommend)
     recommend.add_argument(
         "--format", default="uuid", metavar="FORMAT", help=f"one of {', '.join(FORMATS)}"
     )
-    recommend.add_argument(
-        "--from", dest="source", metavar="URL", help="ask a running agent (its /recommend)"
+    run = _subcommand(
+        commands,
+        "run",
+        "[FLAGS] -- CMD ARGS...",
+        "lock GPUs and run a job on them: run [FLAGS] -- CMD",
+        add_settings,
     )
-    run = commands.add_parser("run", help="lock GPUs and run a job on them: run [FLAGS] -- CMD")
-    add_settings(run)
-    add_selection_flags(run)
-    run.add_argument("--wait", metavar="DURATION", help="wait this long for GPUs (10m)")
+    run.add_argument("--wait", metavar="DURATION", help="wait this long for GPUs (10m, or forever)")
     run.add_argument(
         "--restart", default="never", metavar="WHEN", help="never, on-failure or always"
     )
     run.add_argument(
-        "--max-restarts", default="3", metavar="N", help="restarts at most (default 3)"
+        "--max-restarts", default="3", metavar="N", help="restarts at most (default 3; unlimited)"
+    )
+    run.add_argument(
+        "--restart-reset",
+        default=format_duration(RESTART_RESET),
+        metavar="DURATION",
+        help="an attempt that ran this long resets the restart count (default 10m, or never)",
     )
     run.add_argument("job", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
 
@@ -264,12 +410,12 @@ def handle(name: str, args: argparse.Namespace, config: LauncherConfig) -> int:
     handler = {"recommend": cmd_recommend, "run": cmd_run}[name]
     try:
         return handler(args, config)
-    except UsageError as exc:
+    except LaunchError as exc:
         print(f"gpu-exporter: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except (LauncherError, LockError) as exc:
+        return exc.exit_code
+    except LockError as exc:
         print(f"gpu-exporter: {exc}", file=sys.stderr)
         return EXIT_FAILURE
 
 
-__all__: Sequence[str] = ("add_parsers", "handle")
+__all__: Sequence[str] = ("EXIT_USAGE", "add_parsers", "handle")

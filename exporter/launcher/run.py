@@ -23,6 +23,7 @@ from typing import Any, Protocol, TextIO
 from exporter.core.locks import SUFFIX as LOCK_SUFFIX
 from exporter.core.locks import Reservation
 from exporter.core.procfs import file_identity, scan_fd_holders
+from exporter.core.units import format_duration
 from exporter.launcher.acquire import Device, LocalGpus
 from exporter.launcher.lineage import children, descendants, set_subreaper
 
@@ -30,6 +31,9 @@ RESTART_POLICIES = ("never", "on-failure", "always")
 #: Backoff before restart N (N from 1) is min(BACKOFF_INITIAL * 2**(N-1), BACKOFF_MAX) seconds.
 BACKOFF_INITIAL = 1.0
 BACKOFF_MAX = 60.0
+#: An attempt that ran at least this long was healthy: the restart count (and with it the
+#: backoff) starts again from zero, as systemd's start-limit window (``--restart-reset``).
+RESTART_RESET = 600.0
 #: How long to wait, under the lock, for a finished attempt's GPU memory to come back.
 RELEASE_TIMEOUT = 60.0
 EXIT_NOT_FOUND, EXIT_NOT_EXECUTABLE = 127, 126
@@ -38,6 +42,8 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: Signals a terminal sends to its whole foreground process group: an interactive job (which
 #: stays in our group) got them already.
 TERMINAL = (signal.SIGINT, signal.SIGHUP)
+#: Why the launcher does not restart after a signal.
+_SIGNALLED = "stopped by a signal"
 #: Leftover processes named at most in the line that says the launcher waits for them.
 SHOWN_PIDS = 10
 
@@ -48,7 +54,8 @@ class RunOptions:
 
     command: Sequence[str]
     restart: str = "never"
-    max_restarts: int = 3
+    max_restarts: int | None = 3  # None: no limit
+    restart_reset: float | None = RESTART_RESET  # None: the count never starts again
     backoff_initial: float = BACKOFF_INITIAL
     backoff_max: float = BACKOFF_MAX
     release_timeout: float = RELEASE_TIMEOUT
@@ -107,6 +114,9 @@ class Supervisor:
         self._others: set[int] = set()  # our children that are not the job's (a simulation's)
         self._own_group = not _interactive()
         self._stopping = threading.Event()
+        self._between = False  # no attempt runs: after one, before the next
+        self._interrupt: int | None = None  # the signal that came between two attempts
+        self._ran = 0.0  # seconds the last attempt's main process ran
 
     def say(self, message: str) -> None:
         with contextlib.suppress(OSError, ValueError):  # a terminal hung up: no one to tell
@@ -135,14 +145,23 @@ class Supervisor:
 
     def _loop(self) -> int:
         env = {**os.environ, **job_environment(self.devices)}
-        restarts = 0
+        attempt = restarts = 0
         while True:
+            attempt += 1
+            self._between = False
             try:
                 status = self._attempt(env)
             except _CannotStart as exc:
                 self.say(str(exc))
                 return exc.status
+            finally:
+                self._between = True
+            ran = self._ran
+            if self._healthy(ran):
+                restarts = 0
             reason = self._no_restart(status, restarts)
+            if reason == _SIGNALLED and self._interrupt is not None:  # between two attempts
+                return self._interrupted(attempt, status)
             if reason:
                 if self.options.restart != "never":
                     self.say(f"not restarting: {reason}")
@@ -151,12 +170,37 @@ class Supervisor:
             delay = min(
                 self.options.backoff_initial * 2 ** (restarts - 1), self.options.backoff_max
             )
-            self.say(
-                f"job ended with status {status}; restart {restarts} of "
-                f"{self.options.max_restarts} in {delay:g}s"
-            )
+            self.say(self._restarting(attempt, status, ran, restarts, delay))
             if self._stopping.wait(delay):
-                return status
+                return self._interrupted(attempt, status)
+
+    def _healthy(self, ran: float) -> bool:
+        """Whether an attempt that ran ``ran`` seconds resets the restart count."""
+        reset = self.options.restart_reset
+        return reset is not None and ran >= reset
+
+    def _restarting(
+        self, attempt: int, status: int, ran: float, restarts: int, delay: float
+    ) -> str:
+        """The line that says a restart is coming: the attempt, its status, the delay."""
+        limit = "unlimited" if self.options.max_restarts is None else self.options.max_restarts
+        reset = ""
+        if self._healthy(ran):
+            after = format_duration(self.options.restart_reset or 0.0)
+            reset = f" (at least --restart-reset {after}: the restart count starts again)"
+        return (
+            f"attempt {attempt} ended with status {status} after {_took(ran)}{reset}; "
+            f"restart {restarts} of {limit} in {delay:g}s"
+        )
+
+    def _interrupted(self, attempt: int, status: int) -> int:
+        """Stop between two attempts on a signal: say so, and exit 128+N."""
+        signum = self._interrupt if self._interrupt is not None else signal.SIGTERM
+        self.say(
+            f"stopped by {signal.Signals(signum).name} between attempts; not restarting "
+            f"(attempt {attempt} ended with status {status})"
+        )
+        return 128 + signum
 
     def _attempt(self, env: dict[str, str]) -> int:
         """Run the job once; its main process's status, once every process of it has exited."""
@@ -180,8 +224,9 @@ class Supervisor:
             raise _CannotStart(
                 EXIT_NOT_EXECUTABLE, f"command not executable: {self.options.command[0]}"
             ) from None
-        self._running = True
+        self._running, started = True, time.monotonic()
         status = self._wait_main(self._child)
+        self._ran = time.monotonic() - started
         self._wait_leftovers(status)
         return status
 
@@ -240,12 +285,13 @@ class Supervisor:
         """Why not to restart now ('' to restart)."""
         if self.options.restart == "never":
             return "restart never"
-        if self._stopping.is_set():
-            return "stopped by a signal"
         if self.options.restart == "on-failure" and status == 0:
             return "the job succeeded"
-        if restarts >= self.options.max_restarts:
-            return f"{restarts} restart(s) done, --max-restarts {self.options.max_restarts}"
+        limit = self.options.max_restarts
+        if limit is not None and restarts >= limit:
+            return f"{restarts} restart(s) done, --max-restarts {limit}"
+        if self._stopping.is_set():
+            return _SIGNALLED
         return self._gpus_ready()
 
     def _gpus_ready(self) -> str:
@@ -277,12 +323,15 @@ class Supervisor:
                 limit = self.options.release_timeout
                 return f"GPU memory of the last attempt not released after {limit:g}s"
             if self._stopping.wait(0.5):
-                return "stopped by a signal"
+                return _SIGNALLED
 
     def _forward(self, signum: int, _frame: Any) -> None:
         """Pass a signal on: to the job while its main process runs (its whole process group when
         it has its own), to every process it left behind while the launcher waits for them."""
         self._stopping.set()
+        if self._between and self._interrupt is None:  # no job to pass it to: stop
+            self._interrupt = signum
+            return
         if self._lingering:
             self._to_leftovers(signum, self._terminal_group(signum))
             return
@@ -314,6 +363,18 @@ class Supervisor:
             with contextlib.suppress(OSError):  # gone, or not ours to signal (setuid)
                 if reached is None or os.getpgid(pid) != reached:
                     os.kill(pid, signum)
+
+
+def _took(seconds: float) -> str:
+    """``0.4s``, ``12s``, ``3m20s``, ``2h5m``: how long an attempt ran."""
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60}s"
+    return f"{whole // 3600}h{whole % 3600 // 60}m"
 
 
 def _interactive() -> bool:
