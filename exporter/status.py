@@ -7,9 +7,11 @@ import time
 from exporter.core.snapshot import Gpu, GpuProcess, Snapshot
 from exporter.core.units import format_bytes
 
-_GPU_ROW = "{:>3}  {:<26} {:>5} {:>5} {:>21} {:>13}  {}"
+_GPU_ROW = "{:>3}  {:<26} {:>5} {:>5} {:>21} {:>9} {:>13}  {}"
 _PROCESS_ROW = "{:>3}  {:>8} {:<12} {:<8} {:>9}  {}"
-_HEADER = _GPU_ROW.format("GPU", "NAME", "TEMP", "UTIL", "MEMORY USED / TOTAL", "POWER", "THROTTLE")
+_HEADER = _GPU_ROW.format(
+    "GPU", "NAME", "TEMP", "UTIL", "MEMORY USED / TOTAL", "FREE", "POWER", "THROTTLE"
+)
 _PROCESS_HEADER = _PROCESS_ROW.format("", "PID", "USER", "TYPE", "MEMORY", "COMMAND")
 
 
@@ -37,14 +39,21 @@ def _gpu_line(gpu: Gpu) -> str:
     util = _fmt(
         gpu.utilization_ratio * 100 if gpu.utilization_ratio is not None else None, ".0f", "%"
     )
-    return _GPU_ROW.format(gpu.index, name[:26], temp, util, memory, power, _throttle(gpu))
+    free = format_bytes(gpu.memory_free_bytes)
+    row = _GPU_ROW.format(gpu.index, name[:26], temp, util, memory, free, power, _throttle(gpu))
+    if gpu.reserved_by is not None:
+        who = f"{gpu.reserved_by_user} " if gpu.reserved_by_user else ""
+        row += f"\n     reserved by a launcher lock: {who}(pid {gpu.reserved_by})"
+    return row
 
 
 def _process_line(proc: GpuProcess) -> str:
     if not proc.visible:
         command = "(not visible here: another PID namespace, or it exited)"
+    elif proc.cmdline:  # only with expose_cmdline
+        command = " ".join(proc.cmdline)
     else:
-        command = " ".join(proc.cmdline) or proc.name
+        command = f"{proc.name} {proc.script}" if proc.script else proc.name
     if len(command) > 60:
         command = command[:57] + "..."
     user = (proc.user or "?")[:12]
@@ -67,5 +76,8 @@ def format_status(snapshot: Snapshot) -> str:
             lines.append(_PROCESS_HEADER)
             lines.extend(_process_line(proc) for proc in sorted(gpu.processes, key=lambda p: p.pid))
     if not snapshot.gpus:
-        lines.append("  (no GPUs)")
+        lines.append(
+            "  no GPUs: the driver answers but lists none (in a container, was it started with "
+            "the GPUs, e.g. --gpus all?)"
+        )
     return "\n".join(lines)

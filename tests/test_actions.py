@@ -414,3 +414,28 @@ def test_reloading_reaper_settings_keeps_a_kill_in_progress(engine):
     engine.reload(actions("actions:\n  zombie_reaper: {min_age: 5s}\n"))
     assert engine.action("zombie_reaper") is reaper
     assert reaper.config.min_age == 5
+
+
+def test_snapshot_gives_each_process_its_reaper_class_and_last_decision(tmp_path):
+    scenario = tmp_path / "orphan.yaml"
+    scenario.write_text(
+        "gpus:\n  - processes:\n"
+        '      - {spawn: [sleep, "60"], orphan: true, orphan_after: 500ms, memory: 3GiB}\n'
+    )
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "actions:\n  zombie_reaper: {every: 200ms, min_age: 300ms, protect_users: []}\n"
+    )
+    args = ("--simulate", str(scenario), "--config", str(config), "--interval", "0.2")
+    with serve(tmp_path, *args) as (agent, port):
+        healthz_until(agent, port)
+        deadline = time.monotonic() + 15
+        while True:
+            status, body = http_get(f"http://127.0.0.1:{port}/snapshot")
+            assert status == 200
+            (gpu,) = json.loads(body)["gpus"]
+            verdicts = [p["reaper"] for p in gpu["processes"]]
+            if {"class": "orphan", "decision": "skipped dry_run"} in verdicts:
+                break
+            assert time.monotonic() < deadline, (verdicts, stderr_of(agent))
+            time.sleep(0.1)

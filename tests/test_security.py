@@ -405,8 +405,14 @@ def test_the_agent_makes_each_gpus_lock_file_and_names_one_a_user_made(
     locks = shared / "locks"
     other = "GPU-5ec0417e-0000-4000-8000-000000000002"
     attacker(lambda: os.close(os.open(locks / f"{other}.lock", os.O_CREAT | os.O_RDONLY, 0o644)))
-    simulated(f"gpus: [{{uuid: {UUID}}}, {{uuid: {other}}}]\n")
-    collector = Collector(Nvml(), ProcFs("/proc"), monotonic=clock, lock_dir=str(locks))
+    driver = simulated(f"gpus: [{{uuid: {UUID}}}, {{uuid: {other}}}]\n")
+    collector = Collector(
+        Nvml(library=driver),
+        ProcFs("/proc"),
+        monotonic=clock,
+        lock_dir=str(locks),
+        provision_locks=True,  # as the agent's
+    )
     try:
         with caplog.at_level(logging.WARNING, logger="exporter.sampling.collect"):
             collector.sample()

@@ -40,6 +40,8 @@ class ProcessInfo:
     cmdline: tuple[str, ...]
     container_id: str
     pod_uid: str
+    #: the script a Python interpreter runs (``train.py``, or the module of ``-m``); "" otherwise
+    script: str = ""
 
 
 @dataclass(frozen=True)
@@ -246,7 +248,31 @@ class ProcFs:
             cmdline=cmdline,
             container_id=container,
             pod_uid=pod,
+            script=python_script(cmdline),
         )
+
+
+#: Interpreter options that take a value as the next argument.
+_OPTIONS_WITH_VALUE = ("-X", "-W", "-Q")
+
+
+def python_script(cmdline: tuple[str, ...]) -> str:
+    """The file name of the script a Python interpreter runs (``train.py``), or the module it
+    runs with ``-m``; "" for other programs, ``-c`` code and the interactive interpreter. Only a
+    name: never an argument of the job."""
+    if not cmdline or not os.path.basename(cmdline[0]).startswith("python"):
+        return ""
+    args = iter(cmdline[1:])
+    for arg in args:
+        if arg == "-m":
+            return next(args, "")
+        if arg == "-c" or arg == "-":
+            return ""
+        if arg in _OPTIONS_WITH_VALUE:
+            next(args, None)
+        elif not arg.startswith("-"):
+            return os.path.basename(arg)
+    return ""
 
 
 def _start_ticks(stat: bytes) -> int:

@@ -84,6 +84,8 @@ class GpuProcess:
     start_time: float | None = None  # seconds since the epoch
     container_id: str = ""
     pod_uid: str = ""
+    #: the script a Python process runs (``train.py``; see procfs.python_script), "" otherwise
+    script: str = ""
     #: Highest SM utilization (0-1) NVML reported for the process on this GPU since the GPU's
     #: previous sample; 0.0 when none was reported (idle); None when unknown.
     sm_utilization_ratio: float | None = None
@@ -121,6 +123,8 @@ class Gpu:
     #: PID that took this GPU's launcher lock (None: not reserved, or no lock directory). The
     #: lock lives on in the job that inherited it, so this PID may have exited since.
     reserved_by: int | None = None
+    #: the user of ``reserved_by`` ("" when unknown or not visible here)
+    reserved_by_user: str = ""
 
     def thermal_throttling(self) -> bool:
         """True while a thermal clock-event reason (SW or HW thermal slowdown) is active;

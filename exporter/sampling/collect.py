@@ -35,10 +35,14 @@ class Collector:
         backoff_max: float = 60.0,
         lock_dir: str | None = None,
         expose_cmdline: bool = False,
+        provision_locks: bool = False,
     ) -> None:
         self.nvml = nvml
         self.procfs = procfs
         self.lock_dir = lock_dir
+        #: Only the agent makes each GPU's lock file its own; commands that only read (status,
+        #: recommend, the launcher's sample) never write in the lock directory.
+        self.provision_locks = provision_locks
         #: Command lines may hold secrets (tokens in argv): off, Snapshots never carry them.
         self.expose_cmdline = expose_cmdline
         self._clock = clock
@@ -77,7 +81,7 @@ class Collector:
                 self._lost(exc, errors, started)
         if self.lock_dir and gpus:
             holders = held_locks(self.lock_dir, self.procfs.root)
-            gpus = tuple(replace(g, reserved_by=holders.get(g.uuid)) for g in gpus)
+            gpus = tuple(self._reserved(g, holders.get(g.uuid)) for g in gpus)
         self._idle.end_sample()
         self._seq += 1
         return Snapshot(
@@ -154,9 +158,16 @@ class Collector:
         else:
             self._reread.pop(index, None)
 
+    def _reserved(self, gpu: Gpu, holder: int | None) -> Gpu:
+        """``gpu`` with the launcher lock's holder and its user (when visible here)."""
+        if holder is None:
+            return gpu
+        info = self.procfs.process(holder)
+        return replace(gpu, reserved_by=holder, reserved_by_user=info.user if info else "")
+
     def _provision_lock(self, uuid: str) -> None:
         """Make the GPU's lock file the agent's own, once per GPU (see ``locks.provision``)."""
-        if not self.lock_dir or uuid in self._provisioned:
+        if not self.lock_dir or not self.provision_locks or uuid in self._provisioned:
             return
         self._provisioned.add(uuid)
         try:
@@ -288,5 +299,6 @@ def to_gpu_process(
         start_time=info.start_time,
         container_id=info.container_id,
         pod_uid=info.pod_uid,
+        script=info.script,
         sm_utilization_ratio=sm_utilization,
     )

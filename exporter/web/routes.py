@@ -54,6 +54,9 @@ class Actions(Protocol):
     ) -> Recommendation:
         """Recommend now under a known policy with overrides; ValueError for a bad one."""
 
+    def reaper_verdicts(self) -> Mapping[tuple[str, int], tuple[str | None, str | None]]:
+        """(uuid, pid) -> (zombie reaper class, its last decision) from the reaper's last run."""
+
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +269,11 @@ class App:
                     "404 Not Found", f"no GPU {sorted(missing)[0]!r} in the latest Snapshot"
                 )
             data["gpus"] = gpus
+        verdicts = self.engine.reaper_verdicts() if self.engine is not None else {}
+        for gpu in data["gpus"]:
+            for proc in gpu["processes"] or ():
+                cls, decision = verdicts.get((gpu["uuid"], proc["pid"]), (None, None))
+                proc["reaper"] = {"class": cls, "decision": decision}
         health = self.sampler.health()
         data["health"] = {"ok": health.ok, "reason": health.reason, "stale": health.stale}
         body = json.dumps(data, indent=1, sort_keys=False).encode()

@@ -1,0 +1,97 @@
+"""The ``status`` table: free memory, launcher-lock holders, Python jobs by script, no GPUs; and
+read-only commands leave the lock directory as it was."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from exporter.core.procfs import ProcFs, python_script
+from exporter.core.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, Snapshot
+from exporter.status import format_status
+from tests.agent import exporter_cli
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "script"),
+    [
+        (("python3", "train.py", "--lr", "3e-4"), "train.py"),
+        (("/usr/bin/python3.11", "-u", "/home/me/jobs/train.py"), "train.py"),
+        (("python", "-X", "dev", "-W", "ignore", "run.py"), "run.py"),
+        (
+            ("python3", "-m", "torch.distributed.run", "--nproc-per-node", "8"),
+            "torch.distributed.run",
+        ),
+        (("python3", "-c", "import time; time.sleep(9)", "train.py"), ""),
+        (("python3",), ""),
+        (("bash", "train.py"), ""),
+        ((), ""),
+    ],
+)
+def test_the_script_of_a_python_process(cmdline, script):
+    assert python_script(cmdline) == script
+
+
+def snapshot(*gpus: Gpu) -> Snapshot:
+    return Snapshot(1, 1.7e9, 1.0, 0.01, True, HostInfo("host", "550.54.15", "12.4"), gpus)
+
+
+def gpu(**values) -> Gpu:
+    info = GpuInfo(0, "GPU-0", "NVIDIA A100-SXM4-40GB", memory_total_bytes=40 << 30)
+    return Gpu(
+        0, "GPU-0", True, info, memory_used_bytes=8 << 30, memory_free_bytes=31 << 30, **values
+    )
+
+
+def test_status_shows_free_memory_the_lock_holder_and_the_script():
+    proc = GpuProcess(42, "compute", 8 << 30, True, name="python3", user="alice", script="train.py")
+    text = format_status(snapshot(gpu(processes=(proc,), reserved_by=4242, reserved_by_user="bob")))
+    assert "FREE" in text and "31.0GiB" in text
+    assert "reserved by a launcher lock: bob (pid 4242)" in text
+    assert "python3 train.py" in text
+    exposed = replace(proc, cmdline=("python3", "train.py", "--token", "x"))
+    assert "--token" in format_status(snapshot(gpu(processes=(exposed,))))  # only when exposed
+
+
+def test_status_with_no_gpus_says_so():
+    assert "no GPUs: the driver answers but lists none" in format_status(snapshot())
+
+
+def test_a_python_job_is_named_by_its_script_in_the_snapshot(tmp_path, simulated, collector):
+    script = tmp_path / "train.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    job = subprocess.Popen([sys.executable, str(script), "--secret", "s3cr3t"])
+    try:
+        simulated(f"gpus:\n  - processes: [{{pid: {job.pid}, memory: 1GiB}}]\n")
+        (found,) = collector.sample().gpus[0].processes
+        assert found.script == "train.py" and found.cmdline == ()  # no argument leaks
+        assert ProcFs().process(job.pid).script == "train.py"
+    finally:
+        job.kill()
+        job.wait()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("status", "--simulate"), ("recommend", "--simulate"), ("status", "--simulate", "--json")],
+    ids=" ".join,
+)
+def test_read_only_commands_write_nothing_in_the_lock_directory(tmp_path, command):
+    locks = tmp_path / "locks"
+    locks.mkdir(mode=0o755)
+    done = exporter_cli(*command, "--lock-dir", str(locks))
+    assert done.returncode == 0, done.stderr
+    assert os.listdir(locks) == []
+
+
+def test_run_refuses_an_unsafe_lock_directory_and_leaves_it_as_it_was(tmp_path):
+    locks = tmp_path / "open"
+    locks.mkdir()
+    os.chmod(locks, 0o777)  # world-writable, not sticky
+    done = exporter_cli("run", "--simulate", "--lock-dir", str(locks), "--", "true")
+    assert done.returncode == 1 and "lock" in done.stderr, done.stderr
+    assert os.listdir(locks) == []
