@@ -14,32 +14,36 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, TypeVar
 
 from exporter import __version__
-from exporter.config.policies import recommend_policies
 from exporter.config.settings import BY_KEY, SETTINGS, Config, load_config, skip_actions
 from exporter.config.yamlconf import ConfigError, Section
-from exporter.core.nvml import Nvml
-from exporter.core.procfs import ProcFs
-from exporter.launcher import cli as launcher_cli
-from exporter.sampling.collect import Collector
+from exporter.launcher import flags as launcher_flags
 
 log = logging.getLogger("exporter")
 A = TypeVar("A")
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 _SERVE_ONLY = {"listen", "interval", "deadline", "log_level", "history", "paths.dev"} | {
-    s.key for s in SETTINGS if s.key.startswith("tls.")
+    s.key for s in SETTINGS if s.key.startswith(("tls.", "web."))
 }
+#: Switches: the flag alone means true.
+_SWITCHES = {"expose_cmdline", "web.healthz_without_auth"}
 
 
-def _add_settings(parser: argparse.ArgumentParser, serve: bool) -> None:
+def _add_settings(
+    parser: argparse.ArgumentParser, serve: bool, keys: Collection[str] | None = None
+) -> None:
+    """The flags of the settings a subcommand reads: all for ``serve``, not the serve-only ones
+    otherwise, and only ``keys`` when given (so ``run --help`` lists only flags ``run`` uses)."""
     parser.add_argument(
         "--config", metavar="FILE", help="YAML config file (env GPU_EXPORTER_CONFIG)"
     )
     for setting in SETTINGS:
-        if setting.key in _SERVE_ONLY and not serve:
+        if (setting.key in _SERVE_ONLY and not serve) or (
+            keys is not None and setting.key not in keys
+        ):
             continue
         help_text = f"{setting.help} (config {setting.key}, env {setting.env})"
         if setting.key == "simulate":
@@ -52,7 +56,7 @@ def _add_settings(parser: argparse.ArgumentParser, serve: bool) -> None:
                 help="run on simulated GPUs: the built-in scenario, or SCENARIO.yaml "
                 f"(config simulate, env {setting.env})",
             )
-        elif setting.key == "expose_cmdline":
+        elif setting.key in _SWITCHES:
             parser.add_argument(
                 setting.flag,
                 nargs="?",
@@ -78,15 +82,28 @@ def build_parser() -> argparse.ArgumentParser:
         "metrics and JSON.",
     )
     parser.add_argument("--version", action="version", version=f"gpu-exporter {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    serve = commands.add_parser("serve", help="sample GPUs and serve /metrics, /healthz, /snapshot")
+    commands = parser.add_subparsers(
+        dest="command",
+        metavar="COMMAND",
+        required=True,
+        parser_class=launcher_flags.SubcommandParser,
+    )
+    serve = commands.add_parser(
+        "serve",
+        help="sample GPUs and serve /metrics, /healthz, /snapshot",
+        usage="%(prog)s [FLAGS]  (see --help)",
+    )
     _add_settings(serve, serve=True)
-    status = commands.add_parser("status", help="print every GPU and its processes once")
+    status = commands.add_parser(
+        "status", help="print every GPU and its processes once", usage="%(prog)s [FLAGS]"
+    )
     _add_settings(status, serve=False)
     status.add_argument("--json", action="store_true", help="print the Snapshot as JSON")
     check = commands.add_parser("check-config", help="validate a config file (exit 0 or 2)")
     check.add_argument("file", metavar="FILE")
-    launcher_cli.add_parsers(commands, lambda sub: _add_settings(sub, serve=False))
+    launcher_flags.add_parsers(
+        commands, lambda sub: _add_settings(sub, serve=False, keys=launcher_flags.USED_SETTINGS)
+    )
     return parser
 
 
@@ -100,10 +117,14 @@ def _config(args: argparse.Namespace, actions: Callable[[Section], A]) -> Config
     return load_config(path, flags, actions=actions, scenario=_check_scenario)
 
 
-def _check_scenario(path: str) -> None:
-    from exporter.simulate.driver import load_scenario  # only configs that simulate pay for it
+#: Scenarios already read while checking the settings, by path: simulating reads each once.
+_SCENARIOS: dict[str, Any] = {}
 
-    load_scenario(path)
+
+def _check_scenario(path: str) -> None:
+    from exporter.simulate.scenario import load_scenario  # only configs that simulate pay
+
+    _SCENARIOS[path] = load_scenario(path)
 
 
 def _agent_actions(section: Section) -> Any:
@@ -123,28 +144,34 @@ def _setup_logging(level: str) -> None:
 
 @contextlib.contextmanager
 def _simulation(config: Config) -> Iterator[Any]:
-    """Install the configured simulation (if any) for the duration of the block."""
+    """The configured simulated driver (None: none), started for the duration of the block: the
+    library for ``Nvml(library=...)``."""
     if not config.simulate:
         yield None
         return
-    from exporter.simulate.driver import simulate
+    from exporter.simulate.driver import SimulatedDriver
+    from exporter.simulate.scenario import load_scenario
 
-    driver = simulate(config.simulate)
+    scenario = _SCENARIOS.pop(config.simulate, None) or load_scenario(config.simulate)
+    driver = SimulatedDriver(scenario).start()
     try:
         yield driver
     finally:
-        driver.uninstall()
+        driver.stop()
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Print one Snapshot as a table or JSON."""
+    from exporter.core.nvml import Nvml
+    from exporter.core.procfs import ProcFs
+    from exporter.sampling.collect import Collector
     from exporter.status import format_status
 
     config = _config(args, skip_actions)
     _setup_logging("critical")  # status reports failures itself, in one line
-    with _simulation(config):
+    with _simulation(config) as driver:
         collector = Collector(
-            Nvml(),
+            Nvml(library=driver),
             ProcFs(config.proc_root),
             lock_dir=_agent_lock_dir(config),
             expose_cmdline=config.expose_cmdline,
@@ -179,13 +206,17 @@ def _agent_lock_dir(config: Config) -> str | None:
         return None
 
 
-def _check_tls(config: Config) -> None:
-    """Load the TLS files once, so that a bad one is a usage error (exit 2) naming its setting
-    rather than a failure to serve."""
+def _check_tls(config: Config) -> Any:
+    """Load the TLS files (or the web config file) once, so that a bad one is a usage error
+    (exit 2) naming its setting, or its file and line, rather than a failure to serve. The
+    loaded web config (None without one)."""
     from exporter.web.server import tls_context
+    from exporter.web.webconfig import load_web_config
 
+    if config.web.config_file:
+        return load_web_config(config.web.config_file)
     if not config.tls_cert_file:
-        return
+        return None
     checks: list[tuple[str, str | None]] = [
         ("--tls-cert-file/--tls-key-file (tls.cert_file, tls.key_file)", None)
     ]
@@ -196,17 +227,22 @@ def _check_tls(config: Config) -> None:
             tls_context(config.tls_cert_file, config.tls_key_file or "", client_ca)
         except OSError as exc:  # ssl.SSLError included
             raise ConfigError(settings, "", str(exc)) from None
+    return None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Sample and serve until SIGTERM or SIGINT; SIGHUP reloads the config."""
     from exporter.actions.engine import ActionEngine
-    from exporter.exposition.metrics import render
+    from exporter.core.nvml import Nvml
+    from exporter.core.procfs import ProcFs
+    from exporter.exposition.metrics import render_with_process
+    from exporter.sampling.collect import Collector
     from exporter.sampling.sampler import Sampler
     from exporter.web.routes import App, serve
+    from exporter.web.server import Options
 
     config = _config(args, _agent_actions)
-    _check_tls(config)
+    web = _check_tls(config)
     _setup_logging(config.log_level)
     stop, reload = threading.Event(), threading.Event()
 
@@ -223,14 +259,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         procfs = ProcFs(config.proc_root)
         lock_dir = _agent_lock_dir(config)
         collector = Collector(
-            Nvml(), procfs, lock_dir=lock_dir, expose_cmdline=config.expose_cmdline
+            Nvml(library=driver),
+            procfs,
+            lock_dir=lock_dir,
+            expose_cmdline=config.expose_cmdline,
+            provision_locks=True,  # the agent makes each GPU's lock file its own
         )
         sampler = Sampler(
             collector,
             interval=config.interval,
             deadline=config.deadline,
             history=config.history,
-            render=render,
+            render=render_with_process,
         )
         dev_root = config.dev_root
         if driver is not None and dev_root == BY_KEY["paths.dev"].default:
@@ -244,6 +284,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 cert_file=config.tls_cert_file,
                 key_file=config.tls_key_file,
                 client_ca_file=config.tls_client_ca_file,
+                web=web,
+                options=Options(
+                    max_connections=config.web.max_connections,
+                    head_timeout=config.web.head_timeout,
+                    keepalive_timeout=config.web.keepalive_timeout,
+                    write_timeout=config.web.write_timeout,
+                    max_head=config.web.max_head_bytes,
+                ),
+                healthz_without_auth=config.web.healthz_without_auth,
             )
         except OSError as exc:
             print(
@@ -253,7 +302,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return EXIT_FAILURE
         sampler.start()
         engine.start()
-        scheme = "https" if config.tls_cert_file else "http"
+        scheme = "https" if config.tls_cert_file or (web and web.ssl_context) else "http"
         log.info(
             "serving on %s://%s (interval %gs%s)",
             scheme,
@@ -288,6 +337,7 @@ _RESTART_ONLY = {
     "tls_client_ca_file": "tls.client_ca_file",
     "history": "history",
     "lock_dir": "paths.locks",
+    "web": "web.*",
 }
 
 
@@ -342,11 +392,17 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gpu-exporter`` command."""
+    if (sys.argv[1:] if argv is None else list(argv)) == ["--version"]:
+        print(f"gpu-exporter {__version__}")  # before the parser: it loads every setting
+        return EXIT_OK
     args = build_parser().parse_args(argv)
     handlers = {"serve": cmd_serve, "status": cmd_status, "check-config": cmd_check_config}
     try:
         if args.command in ("recommend", "run"):
             _setup_logging("critical")  # they report failures themselves, in one line
+            from exporter.config.policies import recommend_policies
+            from exporter.launcher import cli as launcher_cli
+
             return launcher_cli.handle(args.command, args, _config(args, recommend_policies))
         return handlers[args.command](args)
     except ConfigError as exc:
@@ -354,3 +410,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `status | head -1`: the reader has what it wanted
+        _quiet_stdout()
+        return EXIT_OK
+
+
+def _quiet_stdout() -> None:
+    """Point standard output at /dev/null, so that the interpreter's own flush at exit does not
+    fail again on the closed pipe (and print a traceback)."""
+    import os
+
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)

@@ -94,3 +94,15 @@ def _nginx_processes() -> set[int]:
         except (OSError, ValueError):
             continue
     return found
+
+
+def test_the_startup_benchmark_prints_its_table():
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "startup.py"), "--runs", "1", "--skip-nvisel"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    for row in ("gpu-exporter --version", "gpu-exporter recommend", "gpu-exporter status"):
+        assert row in done.stdout

@@ -347,7 +347,7 @@ def test_scenario_empty_runs(tmp_path: Path) -> None:
     path = write(tmp_path, "gpus: []\n", "empty.yaml")
     result = run_cli("status", "--simulate", path)
     assert result.returncode == 0, result.stderr
-    assert "(no GPUs)" in result.stdout
+    assert "no GPUs: the driver answers but lists none" in result.stdout
 
 
 # -- serve ----------------------------------------------------------------------------------------
@@ -445,3 +445,28 @@ def test_a_reload_that_must_wait_for_a_running_action_applies_nothing_yet(tmp_pa
     sampler.collector = SimpleNamespace(expose_cmdline=True)
     assert _reload(args, running, sampler, engine, waiting=True).interval == 7.0
     assert sampler.interval == 7.0 and sampler.collector.expose_cmdline is False
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("status", "--simulate"),
+        ("status", "--simulate", "--json"),
+        ("recommend", "--simulate", "--format", "json"),
+        ("recommend", "--simulate"),
+    ],
+    ids=" ".join,
+)
+def test_a_closed_stdout_ends_quietly(command):
+    """``status | head -1``: the reader has gone before the command writes; exit 0, no
+    traceback (a pipe closed before the first write is the worst case)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exporter", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=clean_env(),
+    )
+    proc.stdout.close()  # the reader is gone
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err

@@ -76,6 +76,13 @@ BAD: dict[str, list[str]] = {
     "--tls-key-file": ["{missing}", "{dir}"],
     "--tls-client-ca-file": ["{missing}", "{dir}"],
     "--history": ["0", "-1", "100001", "lots", "1.5", "", "9" * 400],
+    "--web.config.file": ["{missing}", "{dir}", "{garbage}", "{bad_config}", "{big}"],
+    "--web.healthz-without-auth": ["maybe", "", "2"],
+    "--web.max-connections": ["0", "-1", "65537", "lots", "1.5", "", "9" * 400],
+    "--web.head-timeout": ["5 parsecs", "-1s", "0", "50ms", "nan", "inf", "6m", ""],
+    "--web.keepalive-timeout": ["5 parsecs", "-1s", "nan", "inf", "2h", ""],
+    "--web.write-timeout": ["5 parsecs", "0", "500ms", "nan", "11m", ""],
+    "--web.max-head-bytes": ["1023", "1048577", "64KiB", "-1", "", "lots"],
     "--expose-cmdline": ["maybe", "", "2"],
     "--count": ["0", "-1", "65", "abc", "1.5", "", "9" * 400],
     "--policy": ["nope", ""],
@@ -88,6 +95,7 @@ BAD: dict[str, list[str]] = {
     "--wait": ["5 parsecs", "-1s", "nan", "", "inf", "367d", "99999999999999999999999999999d"],
     "--restart": ["sometimes", "", "NEVER"],
     "--max-restarts": ["-1", "many", "1.5", "", "\u00b2"],
+    "--restart-reset": ["soon", "-1s", "0", "nan", "", "inf", "367d"],
 }
 #: Flags that take no value, or whose every value is fine.
 NO_BAD_VALUE = {
@@ -97,7 +105,7 @@ NO_BAD_VALUE = {
     "--exclusive": "a switch without a value",
 }
 #: Where the message names the file the user gave instead of the flag.
-NAMES_THE_FILE = {"--config"}
+NAMES_THE_FILE = {"--config", "--web.config.file"}
 #: Arguments each subcommand needs besides the flag under test.
 TAIL = {"run": ["--", "true"]}
 

@@ -36,7 +36,8 @@ from exporter.config.settings import (
     SETTINGS,
     Config,
 )
-from exporter.config.yamlconf import MAX_DEPTH, ConfigError
+from exporter.config.yamlconf import ConfigError
+from exporter.config.yamlparse import MAX_DEPTH
 from exporter.core.units import MAX_DURATION, MAX_SIZE
 from exporter.simulate.driver import FIELD_FUNCTIONS, load_scenario
 from tests.agent import exporter_cli as _run

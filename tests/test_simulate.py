@@ -351,16 +351,17 @@ def test_status_simulate_leaves_pynvml_alone(tmp_path, monkeypatch, capsys):
     """``gpu-exporter status --simulate`` in this process: pynvml's functions stay pynvml's,
     while the simulated sample is taken and after."""
     from exporter import cli
+    from exporter.sampling import collect
 
     before = _real_functions()
     during: list[list[str]] = []
 
-    class Watching(cli.Collector):
+    class Watching(collect.Collector):
         def sample(self):
             during.append(_unpatched(before))
             return super().sample()
 
-    monkeypatch.setattr(cli, "Collector", Watching)
+    monkeypatch.setattr(collect, "Collector", Watching)  # status imports it when it runs
     for name in [n for n in os.environ if n.startswith("GPU_EXPORTER_")]:
         monkeypatch.delenv(name)
     assert cli.main(["status", "--simulate", "--json", "--lock-dir", str(tmp_path)]) == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Protocol
 
 from exporter.core.snapshot import Gpu
 
@@ -93,3 +94,22 @@ def _resolve(entry: str, gpus: Sequence[Gpu], by_index: dict[str, Gpu]) -> str |
 def _unique(prefix: str, uuids: list[str]) -> str | None:
     matches = [uuid for uuid in uuids if uuid and uuid.startswith(prefix)]
     return matches[0] if len(matches) == 1 else None
+
+
+class Identified(Protocol):
+    """A GPU as a job is bound to it: its NVML index and UUID (``cuda_id`` when it has one)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def uuid(self) -> str: ...
+
+
+def job_environment(devices: Sequence[Identified]) -> dict[str, str]:
+    """What a job needs to see exactly its GPUs, numbered as NVML numbers them."""
+    return {
+        "CUDA_VISIBLE_DEVICES": ",".join(getattr(d, "cuda_id", "") or d.uuid for d in devices),
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "GPU_EXPORTER_GPUS": ",".join(str(d.index) for d in devices),
+    }

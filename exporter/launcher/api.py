@@ -25,6 +25,7 @@ from exporter.config.validate import duration_or_forever
 from exporter.config.yamlconf import ConfigError
 from exporter.core.locks import LockError, default_lock_dir, open_lock_dir
 from exporter.core.selection import Policy
+from exporter.core.visible import job_environment
 from exporter.launcher.acquire import Device, LocalGpus, acquire, choose, devices
 from exporter.launcher.errors import (
     AgentError,
@@ -39,7 +40,6 @@ from exporter.launcher.errors import (
     UnusableLockFile,
     WaitTimedOut,
 )
-from exporter.launcher.run import job_environment
 
 __all__ = [
     "AgentError",

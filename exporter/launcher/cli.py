@@ -13,14 +13,10 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import signal
 import sys
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any
 
 from exporter.config.policies import policy_with
 from exporter.config.settings import Config
@@ -31,7 +27,7 @@ from exporter.config.validate import (
 )
 from exporter.core.locks import LockError, default_lock_dir, open_lock_dir
 from exporter.core.selection import Policy, Recommendation
-from exporter.core.units import format_duration
+from exporter.core.visible import job_environment
 from exporter.launcher.acquire import Advisor, Device, LocalGpus, acquire, choose
 from exporter.launcher.errors import (
     EXIT_FAILURE,
@@ -43,25 +39,21 @@ from exporter.launcher.errors import (
     LockDirError,
     NoGpusAvailable,
 )
-from exporter.launcher.run import (
-    RESTART_POLICIES,
-    RESTART_RESET,
-    RunOptions,
-    Supervisor,
-    job_environment,
-)
+from exporter.launcher.flags import FORMATS
 
 #: The most restarts --max-restarts takes as a number (``unlimited`` has no bound).
 MAX_RESTARTS = 1_000_000
 
 #: The settings the launcher reads: the agent's, with only the recommendation policies of
 #: ``actions:`` (see ``config.policies.recommend_policies``).
+if TYPE_CHECKING:
+    from exporter.launcher.run import RunOptions
+
 LauncherConfig = Config[Mapping[str, Policy]]
 #: Of the agent's settings, those ``recommend`` and ``run`` use (by ``dest``): the only ones
 #: their flags offer.
-USED_SETTINGS = frozenset({"config", "simulate", "paths.proc", "paths.locks"})
 
-FORMATS = ("uuid", "index", "json", "env")
+
 _FLAGS = {
     "count": "--count",
     "min_free_memory": "--min-free-memory",
@@ -87,24 +79,6 @@ class Stopped(LaunchError):
         self.exit_code = 128 + signum
         name = signal.Signals(signum).name
         super().__init__(f"stopped by {name} while choosing GPUs; nothing was started")
-
-
-def add_selection_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags ``recommend`` and ``run`` share."""
-    parser.add_argument("--count", metavar="N", help="GPUs to choose (default: the policy's, 1)")
-    parser.add_argument("--policy", metavar="NAME", default="default", help="recommend policy")
-    parser.add_argument(
-        "--min-free-memory", metavar="SIZE", help="at least this free (8GiB, 500MiB)"
-    )
-    parser.add_argument("--max-utilization", metavar="R", help="at most this busy (0.5 or 50%%)")
-    parser.add_argument("--max-temperature", metavar="C", help="at most this hot (celsius)")
-    parser.add_argument("--strategy", metavar="NAME", help="override the policy's strategy")
-    parser.add_argument(
-        "--exclusive", action="store_true", help="only GPUs with no process of any user on them"
-    )
-    parser.add_argument(
-        "--from", dest="source", metavar="URL", help="let a running agent choose (its /recommend)"
-    )
 
 
 def _policy(config: LauncherConfig, args: argparse.Namespace) -> Policy:
@@ -199,6 +173,10 @@ def _from_agent(
     url: str, policy: str, overrides: dict[str, str], visible_env: str | None
 ) -> Recommendation:
     """Ask a running agent's /recommend (it applies its own policies, locks and hotspots)."""
+    import urllib.error  # only --from pays for the HTTP client
+    import urllib.parse
+    import urllib.request
+
     params = {"policy": policy, **overrides}
     if visible_env is not None:
         params["visible"] = visible_env
@@ -244,6 +222,8 @@ def _recommendation_from_json(data: dict[str, Any]) -> Recommendation:
 
 def cmd_run(args: argparse.Namespace, config: LauncherConfig) -> int:
     """Lock GPUs, run the job on them, pass its exit status on."""
+    from exporter.launcher.run import Supervisor  # subprocess and threads: only run needs them
+
     command = _command(args.job)
     options = _run_options(args, command)
     wait = _parse(args.wait, "--wait", duration_or_forever) if args.wait is not None else None
@@ -280,6 +260,8 @@ def _command(job: Sequence[str]) -> list[str]:
 
 
 def _run_options(args: argparse.Namespace, command: list[str]) -> RunOptions:
+    from exporter.launcher.run import RESTART_POLICIES, RunOptions
+
     """The supervision flags of ``run``, checked."""
     if args.restart not in RESTART_POLICIES:
         raise UsageError(f"--restart: one of {', '.join(RESTART_POLICIES)}, got {args.restart!r}")
@@ -317,94 +299,6 @@ def _parse(raw: str, flag: str, parse: Callable[[str], Any]) -> Any:
         raise UsageError(f"{flag}: {exc}") from None
 
 
-# -- the parsers -----------------------------------------------------------------------------------
-
-
-class _Subcommand(argparse.ArgumentParser):
-    """A subcommand's parser that reports an unknown flag itself, under its own short usage (not
-    the top level's), and reads ``-5s`` as a value for the validators to refuse in one line
-    naming the flag, not as an unknown flag."""
-
-    @classmethod
-    def adopt(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        parser.__class__ = cls
-        # argparse takes an argument that starts with "-" for a flag unless it looks like a
-        # negative number; a negative duration or size is a value too.
-        parser._negative_number_matcher = re.compile(r"^-\.?[0-9]")
-        return parser
-
-    def parse_known_args(  # type: ignore[override]
-        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
-    ) -> tuple[argparse.Namespace, list[str]]:
-        parsed, extras = super().parse_known_args(args, namespace)
-        if extras:
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
-        return parsed, extras
-
-
-class _UsedSettings:
-    """The parser handed to ``add_settings``: it adds only the flags of :data:`USED_SETTINGS`,
-    so that ``run --help`` lists only flags ``run`` uses."""
-
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        self._parser = parser
-
-    def add_argument(self, *flags: str, **kwargs: Any) -> argparse.Action | None:
-        dest = kwargs.get("dest") or flags[0].lstrip("-").replace("-", "_")
-        return self._parser.add_argument(*flags, **kwargs) if dest in USED_SETTINGS else None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._parser, name)
-
-
-def _subcommand(
-    commands: Any,
-    name: str,
-    usage: str,
-    help_text: str,
-    add_settings: Callable[[argparse.ArgumentParser], None],
-) -> argparse.ArgumentParser:
-    parser = _Subcommand.adopt(commands.add_parser(name, help=help_text, usage=f"%(prog)s {usage}"))
-    add_settings(cast(argparse.ArgumentParser, _UsedSettings(parser)))
-    add_selection_flags(parser)
-    return parser
-
-
-def add_parsers(commands: Any, add_settings: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Add ``recommend`` and ``run`` to the subcommands."""
-    recommend = _subcommand(
-        commands,
-        "recommend",
-        "[FLAGS]",
-        "print the GPUs to use (exit 75 when too few qualify)",
-        add_settings,
-    )
-    recommend.add_argument(
-        "--format", default="uuid", metavar="FORMAT", help=f"one of {', '.join(FORMATS)}"
-    )
-    run = _subcommand(
-        commands,
-        "run",
-        "[FLAGS] -- CMD ARGS...",
-        "lock GPUs and run a job on them: run [FLAGS] -- CMD",
-        add_settings,
-    )
-    run.add_argument("--wait", metavar="DURATION", help="wait this long for GPUs (10m, or forever)")
-    run.add_argument(
-        "--restart", default="never", metavar="WHEN", help="never, on-failure or always"
-    )
-    run.add_argument(
-        "--max-restarts", default="3", metavar="N", help="restarts at most (default 3; unlimited)"
-    )
-    run.add_argument(
-        "--restart-reset",
-        default=format_duration(RESTART_RESET),
-        metavar="DURATION",
-        help="an attempt that ran this long resets the restart count (default 10m, or never)",
-    )
-    run.add_argument("job", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
-
-
 def handle(name: str, args: argparse.Namespace, config: LauncherConfig) -> int:
     """Run ``recommend`` or ``run``, turning failures into a one-line message and exit code."""
     handler = {"recommend": cmd_recommend, "run": cmd_run}[name]
@@ -418,4 +312,4 @@ def handle(name: str, args: argparse.Namespace, config: LauncherConfig) -> int:
         return EXIT_FAILURE
 
 
-__all__: Sequence[str] = ("EXIT_USAGE", "add_parsers", "handle")
+__all__: Sequence[str] = ("EXIT_USAGE", "handle")

@@ -18,12 +18,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TextIO
+from typing import Any, TextIO
 
 from exporter.core.locks import SUFFIX as LOCK_SUFFIX
 from exporter.core.locks import Reservation
 from exporter.core.procfs import file_identity, scan_fd_holders
 from exporter.core.units import format_duration
+from exporter.core.visible import job_environment
 from exporter.launcher.acquire import Device, LocalGpus
 from exporter.launcher.lineage import children, descendants, set_subreaper
 
@@ -65,23 +66,6 @@ class _CannotStart(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
-
-
-class _Identified(Protocol):
-    @property
-    def index(self) -> int: ...
-
-    @property
-    def uuid(self) -> str: ...
-
-
-def job_environment(devices: Sequence[_Identified]) -> dict[str, str]:
-    """What a job needs to see exactly its GPUs, numbered as NVML numbers them."""
-    return {
-        "CUDA_VISIBLE_DEVICES": ",".join(getattr(d, "cuda_id", "") or d.uuid for d in devices),
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-        "GPU_EXPORTER_GPUS": ",".join(str(d.index) for d in devices),
-    }
 
 
 def exit_status(returncode: int) -> int:

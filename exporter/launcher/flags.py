@@ -1,0 +1,105 @@
+"""The flags of ``recommend`` and ``run``: only argparse here, so that building the command
+line parser (and ``gpu-exporter --version``) imports none of the launcher's machinery."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+#: The agent settings whose flags ``recommend`` and ``run`` take (``run --help`` lists no other).
+USED_SETTINGS = frozenset({"config", "simulate", "paths.proc", "paths.locks"})
+#: What ``recommend --format`` prints.
+FORMATS = ("uuid", "index", "json", "env")
+#: ``--restart-reset``'s default (``run.RESTART_RESET``, 600 s).
+RESTART_RESET_DEFAULT = "10m"
+
+
+def add_selection_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags ``recommend`` and ``run`` share."""
+    parser.add_argument("--count", metavar="N", help="GPUs to choose (default: the policy's, 1)")
+    parser.add_argument("--policy", metavar="NAME", default="default", help="recommend policy")
+    parser.add_argument(
+        "--min-free-memory", metavar="SIZE", help="at least this free (8GiB, 500MiB)"
+    )
+    parser.add_argument("--max-utilization", metavar="R", help="at most this busy (0.5 or 50%%)")
+    parser.add_argument("--max-temperature", metavar="C", help="at most this hot (celsius)")
+    parser.add_argument("--strategy", metavar="NAME", help="override the policy's strategy")
+    parser.add_argument(
+        "--exclusive", action="store_true", help="only GPUs with no process of any user on them"
+    )
+    parser.add_argument(
+        "--from", dest="source", metavar="URL", help="let a running agent choose (its /recommend)"
+    )
+
+
+# -- the parsers -----------------------------------------------------------------------------------
+
+
+class SubcommandParser(argparse.ArgumentParser):
+    """The parser of every subcommand (``add_subparsers(parser_class=...)``): it reports an
+    unknown flag itself, under its own short usage (not the top level's), and reads ``-5s`` as a
+    value for the validators to refuse in one line naming the flag, not as an unknown flag."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse takes an argument that starts with "-" for a flag unless it matches this
+        # (by default, a negative number only); a negative duration or size is a value too.
+        self._negative_number_matcher = re.compile(r"^-\.?[0-9]")
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
+def _subcommand(
+    commands: Any,
+    name: str,
+    usage: str,
+    help_text: str,
+    add_settings: Callable[[argparse.ArgumentParser], None],
+) -> argparse.ArgumentParser:
+    parser = commands.add_parser(name, help=help_text, usage=f"%(prog)s {usage}")
+    add_settings(parser)
+    add_selection_flags(parser)
+    return parser
+
+
+def add_parsers(commands: Any, add_settings: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add ``recommend`` and ``run`` to the subcommands."""
+    recommend = _subcommand(
+        commands,
+        "recommend",
+        "[FLAGS]",
+        "print the GPUs to use (exit 75 when too few qualify)",
+        add_settings,
+    )
+    recommend.add_argument(
+        "--format", default="uuid", metavar="FORMAT", help=f"one of {', '.join(FORMATS)}"
+    )
+    run = _subcommand(
+        commands,
+        "run",
+        "[FLAGS] -- CMD ARGS...",
+        "lock GPUs and run a job on them: run [FLAGS] -- CMD",
+        add_settings,
+    )
+    run.add_argument("--wait", metavar="DURATION", help="wait this long for GPUs (10m, or forever)")
+    run.add_argument(
+        "--restart", default="never", metavar="WHEN", help="never, on-failure or always"
+    )
+    run.add_argument(
+        "--max-restarts", default="3", metavar="N", help="restarts at most (default 3; unlimited)"
+    )
+    run.add_argument(
+        "--restart-reset",
+        default=RESTART_RESET_DEFAULT,
+        metavar="DURATION",
+        help="an attempt that ran this long resets the restart count (default 10m, or never)",
+    )
+    run.add_argument("job", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
