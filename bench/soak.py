@@ -543,7 +543,7 @@ def run(opts: Options, log: Callable[[str], None]) -> Outcome:
                     clients.resume()
             time.sleep(0.05)
         outcome.seconds = time.monotonic() - started
-        _final_checks(outcome, clients, agent.pid)  # the clients are still paused
+        final_checks(outcome, clients, agent.pid)  # the clients are still paused
         clients.stop()
         children = {pid: start_ticks(pid) for pid in children_of(agent.pid)}
         outcome.exit_code = _stop(agent)
@@ -591,7 +591,7 @@ def _checkpoint(clients: Clients, pid: int, started: float) -> Checkpoint:
     )
 
 
-def _final_checks(outcome: Outcome, clients: Clients, agent_pid: int) -> None:
+def final_checks(outcome: Outcome, clients: Clients, agent_pid: int) -> None:
     """No series left behind: /metrics against /snapshot of the same sample, and both against
     what the scenario lists on each GPU at any moment."""
     opts = outcome.options

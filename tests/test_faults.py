@@ -226,8 +226,8 @@ STATIC: dict[str, tuple[str, tuple[str, ...]]] = {
 def _remembered(nvml: Nvml, index: int, field: str, names: tuple[str, ...]) -> bool:
     """Whether the Nvml module remembers the field as unsupported or its calls as missing."""
     functions = FIELD_FUNCTIONS.get(field, ())
-    return any((index, name) in nvml._unsupported for name in names) or any(
-        key.startswith(fn) for key in nvml._missing for fn in functions
+    return any((index, name) in nvml.unsupported() for name in names) or any(
+        key.startswith(fn) for key in nvml.missing() for fn in functions
     )
 
 
@@ -248,14 +248,14 @@ def _check_gpu(chaos: Chaos, nvml: Nvml, got: Gpu, want: Gpu) -> None:
         return
     # a driver without memory info v2 (as NVML said on the first call): v1's answer, reserved
     # memory counted as used
-    v1 = "nvmlDeviceGetMemoryInfo_v2" in nvml._missing and got.memory_reserved_bytes is None
+    v1 = "nvmlDeviceGetMemoryInfo_v2" in nvml.missing() and got.memory_reserved_bytes is None
     for attr, (field, names) in DYNAMIC.items():
         value, expected = getattr(got, attr), getattr(want, attr)
         if attr == "processes" and value is not None:  # kinds of list the GPU lacks are left out
             lacks = {
                 kind
                 for kind in ("compute", "graphics")
-                if (i, f"{kind}_processes") in nvml._unsupported
+                if (i, f"{kind}_processes") in nvml.unsupported()
             }
             value = sorted((p.pid, p.type, p.used_memory_bytes) for p in value)
             expected = sorted(
@@ -350,8 +350,8 @@ def test_random_errors_of_every_class_never_crash_nor_export_a_wrong_value(simul
                 if not value:
                     assert (
                         -1 in faulty.nvml.incomplete
-                        or any(key[0] == -1 for key in faulty.nvml._unsupported)
-                        or any(key.startswith("nvmlSystem") for key in faulty.nvml._missing)
+                        or any(key[0] == -1 for key in faulty.nvml.unsupported())
+                        or any(key.startswith("nvmlSystem") for key in faulty.nvml.missing())
                     )
         assert set(chaos.raised) == {cls.__name__ for cls in ERROR_CLASSES}  # every class
         assert seen["nvml down"] and seen["gpu down"] and seen["gpu up"] > 600

@@ -151,7 +151,7 @@ def test_the_final_check_finds_series_left_behind_and_a_wrong_shape():
 
     def check(pids, extra=()):
         outcome = soak.Outcome(options)
-        soak._final_checks(outcome, _Answers(*_one_gpu(pids, list(extra))), 4242)
+        soak.final_checks(outcome, _Answers(*_one_gpu(pids, list(extra))), 4242)
         return outcome
 
     good = check(listed)

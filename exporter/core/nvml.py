@@ -160,6 +160,14 @@ class Nvml:
 
     # -- plumbing ---------------------------------------------------------------------------
 
+    def unsupported(self) -> frozenset[tuple[int, str]]:
+        """(GPU index, -1 for the host; field) pairs remembered as NotSupported since init."""
+        return frozenset(self._unsupported)
+
+    def missing(self) -> frozenset[str]:
+        """The functions (call keys) this driver was found to lack since init."""
+        return frozenset(self._missing)
+
     def call(self, function: str, *args: Any, **kwargs: Any) -> Any:
         """Call one function of the library under the NVML lock."""
         fn = getattr(self._lib, function, None)

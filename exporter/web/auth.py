@@ -62,6 +62,10 @@ class BasicAuth:
         #: bcrypt checks made (cache misses): for tests and curiosity.
         self.checks = 0
 
+    def cached(self) -> int:
+        """How many passed checks are remembered now (at most ``size``)."""
+        return len(self._passed)
+
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         if environ.get("PATH_INFO") in self.open_paths or self.allowed(
             environ.get("HTTP_AUTHORIZATION")
