@@ -90,6 +90,18 @@ def test_a_process_that_allocates_gpu_memory_appears(real_collector):
         assert proc.visible and proc.name.startswith("python")
         if proc.used_memory_bytes is not None:
             assert proc.used_memory_bytes >= 512 * 2**20
+        # nvmlDeviceGetProcessUtilization: a ratio while the driver reports it, else absent;
+        # an idle, allocated process reads 0 and its idle time grows between samples
+        if proc.sm_utilization_ratio is not None:
+            assert 0 <= proc.sm_utilization_ratio <= 1
+            time.sleep(1.1)
+            again = [
+                p
+                for gpu in real_collector.sample().gpus
+                for p in gpu.processes or ()
+                if p.pid == child.pid
+            ]
+            assert again and again[0].gpu_idle_seconds is not None
     finally:
         child.kill()
         child.wait()
