@@ -9,6 +9,7 @@ import os
 import signal
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pynvml
@@ -114,3 +115,15 @@ def subreaper() -> Iterator[list[int]]:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> tuple[Path, Path]:
+    """A two-GPU scenario (test_launcher's TWO_GPUS) and an empty lock directory."""
+    from tests.test_launcher import TWO_GPUS
+
+    scenario = tmp_path / "two.yaml"
+    scenario.write_text(TWO_GPUS)
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    return scenario, locks

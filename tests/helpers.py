@@ -7,6 +7,8 @@ import importlib.util
 import os
 import sys
 import textwrap
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +88,12 @@ def agent_config(
     from exporter.simulate.driver import load_scenario
 
     return load_config(path, flags, environ, actions=parse_actions, scenario=load_scenario)
+
+
+def until(check: Callable[[], Any], what: str = "", timeout: float = 20) -> Any:
+    """Poll ``check`` until it returns something true; that value (fails after ``timeout``)."""
+    end = time.monotonic() + timeout
+    while not (value := check()):
+        assert time.monotonic() < end, f"timed out waiting for {what or check}"
+        time.sleep(0.05)
+    return value

@@ -31,16 +31,6 @@ gpus:
 NO_GPUS, WAIT_TIMEOUT = 75, 124
 
 
-@pytest.fixture
-def host(tmp_path) -> tuple[Path, Path]:
-    """A two-GPU scenario and an empty lock directory."""
-    scenario = tmp_path / "two.yaml"
-    scenario.write_text(TWO_GPUS)
-    locks = tmp_path / "locks"
-    locks.mkdir()
-    return scenario, locks
-
-
 RUN = (sys.executable, "-m", "exporter", "run", "--simulate")
 
 

@@ -29,18 +29,8 @@ from exporter.launcher import api
 from exporter.launcher.api import reserve, select_devices
 from tests.agent import clean_env, healthz_until, serve
 from tests.agent import exporter_cli as cli
-from tests.test_launcher import NO_GPUS, RUN, TWO_GPUS, WAIT_TIMEOUT
-from tests.test_launcher_lifetime import until
-
-
-@pytest.fixture
-def host(tmp_path: Path) -> tuple[Path, Path]:
-    """A two-GPU scenario (80 GiB each) and an empty lock directory."""
-    scenario = tmp_path / "two.yaml"
-    scenario.write_text(TWO_GPUS)
-    locks = tmp_path / "locks"
-    locks.mkdir()
-    return scenario, locks
+from tests.helpers import until
+from tests.test_launcher import NO_GPUS, RUN, WAIT_TIMEOUT
 
 
 def on(host: tuple[Path, Path], command: str, *args: str, **kwargs):

@@ -15,10 +15,9 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -26,7 +25,8 @@ from exporter.core.locks import LockError, held_locks, open_lock_dir, try_lock
 from exporter.launcher.lineage import descendants
 from tests.agent import clean_env
 from tests.agent import exporter_cli as cli
-from tests.test_launcher import NO_GPUS, RUN, TWO_GPUS
+from tests.helpers import until
+from tests.test_launcher import NO_GPUS, RUN
 
 NOBODY = 65534  # owns the hostile links: neither root nor the caller
 #: Job scripts that print their GPU and the pid of a worker they leave behind, then exit 0. The
@@ -77,25 +77,6 @@ LEFTOVER_JOBS = {
         print(os.environ["CUDA_VISIBLE_DEVICES"], worker.pid, flush=True)
         """,
 }
-
-
-@pytest.fixture
-def host(tmp_path: Path) -> tuple[Path, Path]:
-    """A two-GPU scenario and an empty lock directory (as in test_launcher)."""
-    scenario = tmp_path / "two.yaml"
-    scenario.write_text(TWO_GPUS)
-    locks = tmp_path / "locks"
-    locks.mkdir()
-    return scenario, locks
-
-
-def until(check: Callable[[], Any], what: str, timeout: float = 20) -> Any:
-    """Poll ``check`` until it returns something true; that value."""
-    end = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def alive(pid: int) -> bool:

@@ -16,8 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from exporter.core.nvml import Nvml
 from exporter.core.procfs import ProcFs
 from exporter.sampling.collect import Collector
 from exporter.sampling.sampler import Sampler
+from tests.helpers import until
 from tests.test_reaper import (
     alive,
     audit_lines,
@@ -51,13 +51,6 @@ def kill_mode(dev: str, tmp_path: Path, procfs: ProcFs | None = None, **options)
         ReaperConfig(protect_users=()), audit_log=str(tmp_path / "audit.jsonl"), **settings
     )
     return ZombieReaper(config, procfs or ProcFs(), dev)
-
-
-def until(check: Callable[[], object], what: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def holds(pid: int, device: str, proc: str = "/proc") -> bool:

@@ -20,7 +20,6 @@ import signal
 import stat
 import subprocess
 import tempfile
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,7 +34,7 @@ from exporter.core import privileges
 from exporter.core.locks import LockError, default_lock_dir, held_locks, try_lock
 from tests.agent import exporter_cli as cli
 from tests.agent import healthz_until, http_get, serve
-from tests.helpers import agent_config, one, samples, write
+from tests.helpers import agent_config, one, samples, until, write
 from tests.test_reaper import (
     alive,
     audit_lines,
@@ -159,17 +158,6 @@ def shared() -> Iterator[Path]:
     (root / "victim").chmod(0o600)
     yield root
     shutil.rmtree(root, ignore_errors=True)
-
-
-def until(check: Callable[[], Any], timeout: float = 10, what: str = "") -> Any:
-    """Poll ``check`` until it returns something true; that value."""
-    end = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < end, f"timed out waiting for {what or check}"
-        time.sleep(0.05)
 
 
 def _drop_bounding(*caps: int) -> Callable[[], None]:
