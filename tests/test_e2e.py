@@ -1,7 +1,7 @@
 """End to end with real components on loopback: the agent on simulated GPUs, a real Prometheus
 scraping it with our rules, a real Alertmanager routing to a webhook this test runs.
 
-The scenario heats GPU 0 and cools it again, and leaves an orphan holding GPU 1. The thermal and
+The scenario heats GPU 0 and cools it again, leaves an orphan holding GPU 1, and keeps GPU 2 fit to recommend. The thermal and
 zombie alerts must fire in Prometheus, reach the webhook through Alertmanager with the right
 labels, and the thermal one must resolve. Then every query of the Grafana dashboard must return
 data from that Prometheus.
@@ -45,6 +45,10 @@ gpus:
     temperature: 45
     processes:
       - {spawn: [sleep, "120"], orphan: true, memory: 3GiB}
+  # a GPU neither hot nor held by a zombie: there is always one to recommend (GPU 0 is a hotspot
+  # a while, and GPU 1 is left out of recommendations once its orphan is found)
+  - name: NVIDIA H100 80GB HBM3
+    temperature: 40
 """
 CONFIG = """
 actions:
