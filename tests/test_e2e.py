@@ -1,10 +1,10 @@
 """End to end with real components on loopback: the agent on simulated GPUs, a real Prometheus
 scraping it with our rules, a real Alertmanager routing to a webhook this test runs.
 
-The scenario heats GPU 0 and cools it again, leaves an orphan holding GPU 1, and keeps GPU 2 fit to recommend. The thermal and
-zombie alerts must fire in Prometheus, reach the webhook through Alertmanager with the right
-labels, and the thermal one must resolve. Then every query of the Grafana dashboard must return
-data from that Prometheus.
+The scenario heats GPU 0 and cools it again, leaves an orphan holding GPU 1, and keeps GPU 2 fit
+to recommend. The thermal and zombie alerts must fire in Prometheus, reach the webhook through
+Alertmanager with the right labels, and the thermal one must resolve. Then every query of the
+Grafana dashboard must return data from that Prometheus.
 """
 
 from __future__ import annotations
