@@ -399,6 +399,9 @@ def test_holder_of_a_live_job_is_not_a_zombie(simulated, collector, clock, dev, 
             f"f = open({dev + '/nvidia1'!r}); print(1, flush=True); import time; time.sleep(60)",
         ],
         stdout=subprocess.PIPE,
+        # a session of its own, as a job started from a shell or a scheduler has: the test
+        # runner's own group and session may lie outside its PID namespace (``docker exec``)
+        start_new_session=True,
     )
     try:
         holder.stdout.readline()

@@ -259,6 +259,9 @@ class ScenarioProcesses:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 pass_fds=held,
+                # as a job on a GPU host: its own session, never the agent's (which may lie
+                # outside the PID namespace, e.g. under ``docker exec``, and read as sid 0)
+                start_new_session=True,
             )
         finally:
             if fd is not None:
