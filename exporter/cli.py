@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import logging
 import signal
 import sys
@@ -117,14 +116,10 @@ def _config(args: argparse.Namespace, actions: Callable[[Section], A]) -> Config
     return load_config(path, flags, actions=actions, scenario=_check_scenario)
 
 
-#: Scenarios already read while checking the settings, by path: simulating reads each once.
-_SCENARIOS: dict[str, Any] = {}
-
-
 def _check_scenario(path: str) -> None:
     from exporter.simulate.scenario import load_scenario  # only configs that simulate pay
 
-    _SCENARIOS[path] = load_scenario(path)
+    load_scenario(path)  # kept while the file is unchanged: simulating reads it once
 
 
 def _agent_actions(section: Section) -> Any:
@@ -152,7 +147,7 @@ def _simulation(config: Config) -> Iterator[Any]:
     from exporter.simulate.driver import SimulatedDriver
     from exporter.simulate.scenario import load_scenario
 
-    scenario = _SCENARIOS.pop(config.simulate, None) or load_scenario(config.simulate)
+    scenario = load_scenario(config.simulate)
     driver = SimulatedDriver(scenario).start()
     try:
         yield driver
@@ -189,6 +184,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         return EXIT_FAILURE
     if args.json:
+        import json
+
         print(json.dumps(snapshot.to_dict(), indent=1))
     else:
         print(format_status(snapshot))

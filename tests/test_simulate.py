@@ -520,3 +520,16 @@ def test_processes_start_from_another_thread(simulated, clock):
     worker.join(10)
     ((second,),) = listed
     assert second != first and _state(second) in ("R", "S")
+
+
+def test_a_scenario_file_is_read_once_while_it_is_unchanged(tmp_path):
+    path = tmp_path / "host.yaml"
+    path.write_text("gpus:\n  - {name: A}\n")
+    first = load_scenario(str(path))
+    assert load_scenario(str(path)) is first  # checked by the settings, then simulated
+    path.write_text("gpus:\n  - {name: B}\n  - {name: C}\n")
+    changed = load_scenario(str(path))
+    assert [gpu.name for gpu in changed.gpus] == ["B", "C"]
+    path.unlink()
+    with pytest.raises(ConfigError):
+        load_scenario(str(path))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from exporter.config.validate import duration_between, switch, whole
-from exporter.config.yamlconf import ConfigError, Section, load_document, parse_document
+from exporter.config.yamlconf import ConfigError, Document, Section, load_document
 
 #: What the ``actions:`` section parses to: the agent's action settings, or (for the launcher)
 #: just the recommendation policies. The parser is handed in, so config never imports actions.
@@ -335,7 +335,7 @@ def load_config(
         for key, (value, where) in from_file.items():
             values[key], origin[key] = value, where
     else:
-        parsed = actions(parse_document("{}", "defaults").root().section("actions"))
+        parsed = actions(Document("defaults", {}, {}).root().section("actions"))  # no YAML to read
     for setting in SETTINGS:
         if setting.env in environ:
             origin[setting.key] = f"environment variable {setting.env}"

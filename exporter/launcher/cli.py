@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -127,6 +126,8 @@ def _print_choice(recommendation: Recommendation, fmt: str, cuda_ids: Mapping[st
     elif fmt == "index":
         print(env["GPU_EXPORTER_GPUS"])
     elif fmt == "json":
+        import json  # here: the other formats need not load it
+
         print(json.dumps(recommendation.to_dict(), indent=1))
     else:
         for key, value in env.items():
@@ -192,6 +193,8 @@ def _from_agent(
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise AgentError(f"cannot reach the agent at {url}: {reason}") from None
+    import json
+
     try:
         return _recommendation_from_json(json.loads(body))
     except (ValueError, KeyError, TypeError) as exc:

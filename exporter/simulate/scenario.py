@@ -9,9 +9,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 import pynvml
@@ -451,9 +451,34 @@ def parse_scenario(root: Section) -> Scenario:
     return scenario
 
 
+_BUILTIN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scenarios", "builtin.yaml")
+
+
+#: Scenarios read in this process, by path, with the file's identity when read: a command that
+#: checks its settings and then simulates reads its scenario once, and a changed file again.
+_READ: dict[str, tuple[tuple[int, ...], Scenario]] = {}
+
+
 def load_scenario(path: str) -> Scenario:
     """Read a scenario file, or the built-in one for ``builtin``; raises ConfigError."""
+    try:
+        info = os.stat(path) if path != "builtin" else os.stat(_BUILTIN)
+    except OSError:
+        return _read_scenario(path)  # its error, said by load_document
+    identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+    known = _READ.get(path)
+    if known is not None and known[0] == identity:
+        return known[1]
+    scenario = _read_scenario(path)
+    _READ[path] = (identity, scenario)
+    return scenario
+
+
+def _read_scenario(path: str) -> Scenario:
     if path == "builtin":
-        text = resources.files("exporter").joinpath("scenarios/builtin.yaml").read_text()
+        # a file beside the package (package data), read without importlib.resources: its
+        # import costs more than the rest of the scenario's code
+        with open(_BUILTIN, encoding="utf-8") as handle:
+            text = handle.read()
         return parse_scenario(parse_document(text, "<builtin scenario>").root())
     return parse_scenario(load_document(path).root())
