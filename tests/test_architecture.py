@@ -3,6 +3,7 @@ training script imports loads no scheduler, Prometheus client or action."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -63,3 +64,19 @@ def test_the_launcher_api_loads_no_scheduler_prometheus_client_or_action():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     )
     assert found.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("command", ["recommend", "status"])
+def test_a_command_without_yaml_to_read_loads_no_pyyaml(command):
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('LOADED:', 'yaml' in sys.modules))\n"
+        f"sys.argv = ['gpu-exporter', {command!r}]\n"
+        "from exporter.entry import main\n"
+        "sys.exit(main())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_EXPORTER_")}
+    found = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env
+    )
+    assert "LOADED: False" in found.stdout, (found.stdout, found.stderr)
