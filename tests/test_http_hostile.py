@@ -261,32 +261,15 @@ def test_the_head_limit_is_exact(server, size, status, delivery):
     assert (b"gpu_up{" if status == 200 else b"request head over 65536 bytes") in answer
 
 
-class ScriptedSocket:
-    """A socket whose reads return the given pieces, each cut to what a read asks for."""
-
-    def __init__(self, chunks: list[bytes]) -> None:
-        self.chunks = [c for c in chunks if c]
-
-    def settimeout(self, timeout: float) -> None:
-        pass
-
-    def recv(self, size: int) -> bytes:
-        if not self.chunks:
-            return b""
-        chunk = self.chunks.pop(0)
-        if len(chunk) > size:
-            self.chunks.insert(0, chunk[size:])
-        return chunk[:size]
-
-
-def read_head(sock: ScriptedSocket) -> Request:
-    request = Connection(sock, LIMITS, 60).read_request(time.monotonic() + 60)  # type: ignore[arg-type]
-    assert request is not None
-    return request
-
-
 def read_scripted(chunks: list[bytes]) -> Request:
-    return read_head(ScriptedSocket(chunks))
+    """The first request in ``chunks``, fed one at a time as reads would deliver them."""
+    http = Connection(LIMITS)
+    for chunk in chunks:
+        http.receive(chunk)
+        request = http.next_request()
+        if request is not None:
+            return request
+    raise AssertionError("no whole request head in the chunks")
 
 
 def by_bytes(data: bytes) -> list[bytes]:
@@ -307,10 +290,11 @@ def test_read_head_limit_is_exact_however_the_bytes_arrive(delivery):
 def test_an_over_long_head_is_refused_before_its_end():
     """The head is refused once it is known to be too long, not when it ends (or never)."""
     head = head_of(MAX_HEAD + 1)
-    sock = ScriptedSocket([head[:MAX_HEAD], head[MAX_HEAD:]])  # the last: the final LF
+    assert head[MAX_HEAD:] == b"\n"  # the final LF, never fed
+    http = Connection(LIMITS)
+    http.receive(head[:MAX_HEAD])
     with pytest.raises(HttpError, match="request head over"):
-        read_head(sock)
-    assert sock.chunks == [b"\n"]
+        http.next_request()
 
 
 def request_line_of(length: int) -> bytes:

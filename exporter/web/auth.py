@@ -62,6 +62,18 @@ class BasicAuth:
         #: bcrypt checks made (cache misses): for tests and curiosity.
         self.checks = 0
 
+    def inline(self, environ: dict[str, Any]) -> bool:
+        """Whether a request is answered without blocking: no bcrypt check to make (an open
+        path, no credentials, or credentials that passed lately) and the app says so too."""
+        if environ.get("PATH_INFO") not in self.open_paths:
+            credentials = _credentials(environ.get("HTTP_AUTHORIZATION"))
+            if credentials is None:
+                return True  # a 401 at once
+            if not self._remembered(credentials, self._monotonic()):
+                return False
+        inline = getattr(self.app, "inline", None)
+        return bool(inline(environ)) if callable(inline) else False
+
     def cached(self) -> int:
         """How many passed checks are remembered now (at most ``size``)."""
         return len(self._passed)
@@ -86,12 +98,9 @@ class BasicAuth:
         credentials = _credentials(authorization)
         if credentials is None:
             return False
-        key = hmac.new(self._key, credentials, hashlib.sha256).digest()
         now = self._monotonic()
-        with self._cache_lock:
-            until = self._passed.get(key)
-            if until is not None and until > now:
-                return True
+        if self._remembered(credentials, now):
+            return True
         user, _, password = credentials.partition(b":")
         stored = self.users.get(user)
         hashed = stored if stored is not None else self._stand_in
@@ -103,12 +112,23 @@ class BasicAuth:
                 right = False
         if not (right and stored is not None):
             return False
+        key = self._cache_key(credentials)
         with self._cache_lock:
             self._passed[key] = now + self.ttl
             self._passed.move_to_end(key)
             while len(self._passed) > self.size:
                 self._passed.popitem(last=False)
         return True
+
+    def _cache_key(self, credentials: bytes) -> bytes:
+        return hmac.new(self._key, credentials, hashlib.sha256).digest()
+
+    def _remembered(self, credentials: bytes, now: float) -> bool:
+        """Whether ``credentials`` passed a check less than ``ttl`` seconds before ``now``."""
+        key = self._cache_key(credentials)
+        with self._cache_lock:
+            until = self._passed.get(key)
+            return until is not None and until > now
 
 
 def _credentials(authorization: str | None) -> bytes | None:

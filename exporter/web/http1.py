@@ -1,5 +1,5 @@
-"""HTTP/1.1 on one blocking socket: request heads read under exact limits and a deadline, and
-parsed by llhttp (Node.js's HTTP parser, through httptools); responses with Content-Length.
+"""HTTP/1.1 without I/O: request heads found in the bytes fed under exact limits and parsed by
+llhttp (Node.js's HTTP parser, through httptools); responses with Content-Length.
 
 llhttp (https://github.com/nodejs/llhttp, Python binding https://github.com/MagicStack/httptools)
 parses the request line and headers strictly: methods it does not know, control characters,
@@ -13,8 +13,9 @@ follows. This module adds what the parser leaves to its caller:
   (``414``), each header line, the number of headers and the whole head (``431``), however the
   client cuts its bytes, and before the head ends (a request line that never ends is refused once
   it passes the limit, not at the deadline). The parser only ever sees one whole head.
-- **A deadline**, a total for the head rather than a timeout per read (the caller sets it), and
-  kernel socket timeouts (:class:`TimedSocket`).
+- **Nothing about time or sockets**: the caller (``exporter.web.connection``) feeds the bytes
+  as they arrive and keeps the deadlines; :attr:`Connection.started` says when a request's first
+  byte came.
 - ``400`` for an HTTP/1.1 request without ``Host`` or with two (RFC 9112 3.2), and ``505`` for a
   version other than HTTP/1.0 and 1.1.
 - Empty lines before a request line are skipped (RFC 9112 2.2).
@@ -26,60 +27,10 @@ Request bodies are never read: a request that has one is answered, then the conn
 
 from __future__ import annotations
 
-import socket
-import struct
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import httptools
-
-#: What a read asks the socket for.
-_RECV = 65536
-
-
-def _timeval(seconds: float) -> bytes:
-    seconds = max(seconds, 0.001)  # 0 would mean "no timeout"
-    whole = int(seconds)
-    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
-
-
-class TimedSocket:
-    """``recv`` and ``send`` on a socket, each bounded by a timeout; TimeoutError past it.
-
-    A plain socket stays blocking and gets kernel timeouts (``SO_RCVTIMEO``, ``SO_SNDTIMEO``):
-    one system call per read or write, and one hand-over of the GIL. Python's own socket
-    timeouts cost a ``poll`` before each call and an ``ioctl`` per ``settimeout``, each a
-    hand-over of the GIL, which under 16 busy connections cost more than the request itself
-    (docs/benchmarks.md). Anything else (an SSLSocket) uses Python's timeouts.
-    """
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.plain = type(sock) is socket.socket
-        if self.plain and sock.gettimeout() is not None:  # settimeout costs a system call
-            sock.settimeout(None)
-
-    def recv(self, size: int, timeout: float) -> bytes:
-        if not self.plain:
-            self.sock.settimeout(timeout)
-            return self.sock.recv(size)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
-        try:
-            return self.sock.recv(size)
-        except BlockingIOError:  # EAGAIN: the kernel's timeout
-            raise TimeoutError("timed out") from None
-
-    def send(self, parts: Sequence[bytes | memoryview], timeout: float) -> int:
-        """Send from ``parts`` (gathered in one call on a plain socket); bytes sent."""
-        if not self.plain:
-            self.sock.settimeout(timeout)
-            return self.sock.send(parts[0])
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
-        try:
-            return self.sock.sendmsg(parts)
-        except BlockingIOError:
-            raise TimeoutError("timed out") from None
 
 
 @dataclass(frozen=True)
@@ -214,72 +165,60 @@ def _from_llhttp(exc: httptools.HttpParserError) -> HttpError:
 
 
 class Connection:
-    """One server connection: reads requests, writes response heads, says whether to go on.
+    """One server connection's HTTP, without I/O: finds request heads in the bytes fed, writes
+    response heads, says whether the connection can go on.
 
-    ``sock`` is blocking; every read is bounded by a deadline. ``head_timeout`` is the time a
-    request head may take from its first byte, on a keep-alive connection (the first request's
-    deadline is the caller's, from accept).
+    :meth:`receive` takes the bytes as they arrive; :meth:`next_request` returns the next whole
+    request head, parsed, once it is there (the bytes after it stay for the next call: pipelined
+    requests); :meth:`response` makes the answer's bytes; :meth:`next_cycle` readies the next.
     """
 
-    def __init__(self, sock: socket.socket, limits: Limits, head_timeout: float) -> None:
-        self.sock = sock
-        self.io = TimedSocket(sock)
+    def __init__(self, limits: Limits) -> None:
         self.limits = limits
-        self.head_timeout = head_timeout
         self._scanner = HeadScanner(limits)
-        self._pending = b""  # bytes received past the last head (a pipelined request)
+        self._unscanned = b""  # bytes received and not yet scanned (a pipelined request)
+        self._head: list[bytes] = []  # the current head's bytes so far
+        self._started = False
         self.has_body = False  # the current request has a body (which is never read)
         self.method = b""
         self._keep = False
         self._http10 = False
 
-    def read_request(
-        self, deadline: float | None, idle_until: float | None = None
-    ) -> Request | None:
-        """The next request's head, parsed.
+    def receive(self, data: bytes) -> None:
+        """Bytes from the client; scanned by the next :meth:`next_request`."""
+        self._unscanned = self._unscanned + data if self._unscanned else data
 
-        With ``deadline``, the whole head must arrive before it. Without, the connection may stay
-        idle (no byte of a request) until ``idle_until``, and the head must then arrive within
-        ``head_timeout`` of its first byte. None when the client closed, or stayed idle past
-        ``idle_until``, before a byte of a request. Raises HttpError for a bad head,
-        TimeoutError past the deadline, ConnectionError when the client goes away mid-head.
+    @property
+    def started(self) -> bool:
+        """Whether a byte of the next request's head (past empty lines) arrived."""
+        return self._started
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held: the head so far and what came after it."""
+        return len(self._unscanned) + sum(map(len, self._head))
+
+    def next_request(self) -> Request | None:
+        """The next request's head, parsed, or None while it is not all there.
+
+        Raises HttpError as soon as the head is over a limit (before it ends), and for a bad
+        head once it is whole.
         """
-        scanner = self._scanner
-        scanner.reset()
-        self._keep = False
-        data, self._pending = self._pending, b""
-        head: list[bytes] = []
-        received = False  # a byte of this request arrived
-        while True:
-            if data:
-                start, end = scanner.feed(data)
-                if not received and start < len(data):
-                    received = True
-                    if deadline is None:
-                        deadline = time.monotonic() + self.head_timeout
-                if end != -1:
-                    head.append(data[start:end])
-                    self._pending = data[end:]
-                    return self._parse(b"".join(head))
-                head.append(data[start:])
-            if deadline is not None:
-                wait = deadline - time.monotonic()
-                if wait <= 0:
-                    raise TimeoutError("request head not received in time")
-            else:
-                wait = (idle_until or 0.0) - time.monotonic()
-                if wait <= 0:
-                    return None
-            try:
-                data = self.io.recv(_RECV, wait)
-            except TimeoutError:
-                if received or deadline is not None:
-                    raise
-                return None  # idle past the keep-alive timeout
-            if not data:
-                if received:
-                    raise ConnectionError("client closed the connection mid-head")
-                return None
+        data, self._unscanned = self._unscanned, b""
+        if not data:
+            return None
+        start, end = self._scanner.feed(data)
+        if start < len(data):
+            self._started = True
+        if end == -1:
+            self._head.append(data[start:] if start else data)
+            return None
+        self._head.append(data[start:end])
+        self._unscanned = data[end:]
+        head = b"".join(self._head)
+        self._head, self._started = [], False
+        self._scanner.reset()
+        return self._parse(head)
 
     def _parse(self, head: bytes) -> Request:
         parsed = _Parsed()
@@ -341,3 +280,4 @@ class Connection:
         """Ready for the next request on this connection (after a response, when keep_alive)."""
         self.has_body = False
         self.method = b""
+        self._keep = False

@@ -1,7 +1,7 @@
 """HTTP routes over the latest Snapshot: ``/metrics``, ``/healthz``, ``/snapshot`` and ``/``.
 
 No route calls NVML or procfs: they read ``sampler.latest``. The server is
-``exporter.web.server``: a thread per connection, llhttp for parsing, deadlines and limits
+``exporter.web.server``: one event loop thread, llhttp for parsing, deadlines and limits
 against hostile clients, keep-alive, TLS and client-certificate authentication; basic
 authentication and extra headers come from the web config (``exporter.web.webconfig``).
 
@@ -140,6 +140,12 @@ class App:
         ]
         start_response(response.status, headers)
         return [] if environ.get("REQUEST_METHOD") == "HEAD" else list(parts)
+
+    def inline(self, environ: dict[str, Any]) -> bool:
+        """Whether the server may call the app for ``environ`` on its event loop: every route
+        but those that do work per request (JSON of the Snapshot, a recommendation), which it
+        calls on a worker thread."""
+        return environ.get("PATH_INFO") not in _WORKING_ROUTES
 
     def _dispatch(self, environ: dict[str, Any]) -> Response:
         method = environ.get("REQUEST_METHOD", "GET")
@@ -372,6 +378,8 @@ RECOMMEND_PARAMS = frozenset(
         "visible",
     }
 )
+#: Routes that do work per request, rather than read what the sampler rendered: off the loop.
+_WORKING_ROUTES = frozenset({"/snapshot", "/recommend"})
 #: /recommend answers this when fewer GPUs than asked for qualify (the body still says why).
 NOT_ENOUGH_GPUS = "409 Conflict"
 
@@ -402,7 +410,7 @@ def serve(
     options: Options | None = None,
     healthz_without_auth: bool = False,
 ) -> Server:
-    """Serve ``app`` on daemon threads, with TLS when ``cert_file`` and ``key_file`` are given
+    """Serve ``app`` on a daemon thread, with TLS when ``cert_file`` and ``key_file`` are given
     (and a client certificate signed by ``client_ca_file`` required when that is given), or as
     the web config ``web`` says (TLS, basic authentication, extra headers; not with
     ``cert_file``). ``options``: the server's limits. ``healthz_without_auth``: ``/healthz``

@@ -1,23 +1,28 @@
-"""A threaded HTTP/1.1 server for one WSGI app, built to survive hostile clients.
+"""An HTTP/1.1 server for one WSGI app on one asyncio event loop, built to survive hostile clients.
 
-Each accepted connection is served on its own daemon thread, so a slow client never stalls
-another one, and the listening thread does nothing but ``accept``: with TLS the handshake runs in
-the connection's thread, not in ``accept`` (where one client that never sends a ClientHello would
-block every other scraper). Request heads are parsed by llhttp (``exporter.web.http1``).
+One thread runs the loop: it accepts, reads, parses and writes for every connection, with
+non-blocking sockets, so a slow client never stalls another one and no connection waits for the
+GIL to come back from another connection's thread. Request heads are parsed by llhttp
+(``exporter.web.http1``); a connection is an asyncio Protocol (``exporter.web.connection``).
+What may block runs off the loop: a request the app does not say it answers at once (its
+``inline(environ)``; ``/snapshot``, ``/recommend``, a basic-auth check that needs bcrypt) goes to
+a few worker threads, and its connection waits for the answer without holding anyone else up.
 
 Limits (:class:`Options`, from the ``web.*`` settings; the module constants are the defaults):
 
 - ``head_timeout``: from ``accept`` to a complete first request head (TLS handshake, request
-  line and headers), a total deadline, not a per-``recv`` timeout: a client that trickles a byte
+  line and headers), a total deadline, not a per-read timeout: a client that trickles a byte
   at a time cannot stretch it. Past it the client gets ``408`` (when it finished a TLS handshake)
   and the connection is closed. Every later request on a keep-alive connection has the same time
   from its first byte.
 - ``keepalive_timeout``: how long a connection may stay idle between requests; then it is closed
   without a word. 0: no keep-alive (every response says ``Connection: close``).
-- ``write_timeout``: the whole response must be sent within it.
-- ``max_connections``: connections open at once (idle keep-alive ones too); beyond it a new
-  connection is closed at once, without a response (answering would cost a thread, and with TLS
-  a handshake).
+- ``write_timeout``: the whole response must be handed to the kernel within it, else the
+  connection is dropped. Meanwhile the connection reads nothing more, so a client that never
+  reads holds one response in the server, not more.
+- ``max_connections``: connections open at once (idle keep-alive ones and TLS handshakes too);
+  beyond it a new connection is closed at once, without a response (and with TLS before a
+  handshake).
 - ``limits``: the request line (``414``), header lines, their number and the whole head
   (``431``), exact however the bytes arrive. A malformed head gets ``400``, a version other than
   HTTP/1.0 and 1.1 ``505``.
@@ -33,11 +38,12 @@ Client misbehaviour (resets, garbage, TLS errors, timeouts) is logged at debug l
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import io
 import logging
-import selectors
+import queue
 import socket
 import ssl
 import sys
@@ -49,12 +55,14 @@ from email.utils import formatdate
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from exporter.web.http1 import Connection, HttpError, Limits, Request, TimedSocket
+from exporter.web.connection import Deadlines, HttpConnection, Reply
+from exporter.web.http1 import HttpError, Limits, Request
 from exporter.web.stats import HttpStats
 
 log = logging.getLogger(__name__)
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+Environ = dict[str, Any]
 
 #: Seconds from accept to a complete request head, TLS handshake included.
 HEAD_DEADLINE = 10.0
@@ -74,8 +82,15 @@ MAX_REQUEST_LINE = 8192
 MAX_HEADER_LINE = 8192
 MAX_HEADERS = 100
 MAX_HEAD = 65536
+#: Threads for the requests the app does not answer at once (bcrypt runs one at a time anyway).
+WORKERS = 4
+#: On close, how long responses on their way may take before their connections are dropped.
+CLOSE_GRACE = 1.0
+#: Connections accepted per wake-up of the loop, at most.
+_ACCEPT_BATCH = 64
 #: accept() errors that say the process or host is out of a resource: wait, then go on.
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_RESOURCE_PAUSE = 0.05
 #: Response headers the server sets itself; an app's are dropped.
 _HOP_BY_HOP = frozenset({b"connection", b"date", b"transfer-encoding", b"keep-alive"})
 _REASONS = {
@@ -100,13 +115,6 @@ class Options:
     max_head: int | None = None
     #: Added to every response (``http_server_config.headers`` of the web config).
     headers: Sequence[tuple[str, str]] = field(default_factory=tuple)
-
-
-def _remaining(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("deadline passed")
-    return left
 
 
 def tls_context(cert_file: str, key_file: str, client_ca_file: str | None) -> ssl.SSLContext:
@@ -140,46 +148,6 @@ def load_certificate(context: ssl.SSLContext, cert_file: str, key_file: str) -> 
         ) from None
 
 
-def send_parts(io: TimedSocket, parts: Sequence[bytes], deadline: float) -> None:
-    """Send ``parts`` in order before ``deadline`` (a total, whatever the pace the client reads
-    at); a plain socket gathers them in one call, without joining them first."""
-    if not io.plain:
-        data = memoryview(b"".join(parts))
-        while data:
-            data = data[io.send([data[:262144]], _remaining(deadline)) :]
-        return
-    views = [memoryview(part) for part in parts if part]
-    while views:
-        sent = io.send(views[:512], _remaining(deadline))
-        while sent:
-            if sent >= len(views[0]):
-                sent -= len(views.pop(0))
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
-
-
-def _linger(io: TimedSocket) -> None:
-    """Half-close, then drain until the client closes (bounded), then the caller closes."""
-    sock = io.sock
-    try:
-        if not io.plain:
-            # Send close_notify, then wait (bounded) for the client's or for its close.
-            sock.settimeout(LINGER)
-            sock.unwrap()  # type: ignore[attr-defined]
-            return
-        sock.shutdown(socket.SHUT_WR)
-        deadline = time.monotonic() + LINGER
-        drained = 0
-        while drained < _LINGER_BYTES:
-            data = io.recv(65536, _remaining(deadline))
-            if not data:
-                return
-            drained += len(data)
-    except OSError:  # TimeoutError included
-        return
-
-
 class _Date:
     """The Date header's value, formatted once a second."""
 
@@ -195,13 +163,67 @@ class _Date:
         return self._value
 
 
-class HttpServer:
-    """Serves a WSGI app on ``host:port``, a connection per daemon thread, with the limits above.
+class _Workers:
+    """Daemon threads for the requests that may block (started on first use): a job's answer
+    goes back to the loop's thread. Daemon, as the connection threads were: a route that hangs
+    does not hold the process at exit."""
 
-    ``start`` runs the accept loop on a daemon thread; ``close`` stops it and closes the
-    listening socket (connections being served finish on their own, bounded by the deadlines;
-    idle keep-alive ones are closed at their next wait). ``stats`` counts connections and
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._jobs: queue.SimpleQueue[tuple[Any, Callable[[], Reply], Any] | None] = (
+            queue.SimpleQueue()
+        )
+        self._threads: list[threading.Thread] = []
+
+    def submit(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        job: Callable[[], Reply],
+        done: Callable[[Reply], None],
+    ) -> None:
+        if not self._threads:
+            for i in range(self.count):
+                thread = threading.Thread(target=self._run, name=f"http-worker-{i}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        self._jobs.put((loop, job, done))
+
+    def stop(self) -> None:
+        """Let the threads end after the jobs queued (their answers go nowhere)."""
+        for _ in self._threads:
+            self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            loop, job, done = item
+            reply = job()
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(done, reply)
+
+
+def _never(environ: Environ) -> bool:
+    return False
+
+
+def _exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """A socket or TLS error that reached the loop is a client's doing: debug only."""
+    if isinstance(context.get("exception"), OSError):
+        log.debug("%s: %s", context.get("message"), context.get("exception"))
+        return
+    loop.default_exception_handler(context)
+
+
+class HttpServer:
+    """Serves a WSGI app on ``host:port`` from one event loop thread, with the limits above.
+
+    ``start`` runs the loop on a daemon thread; ``close`` stops accepting, closes idle
+    connections at once, lets responses on their way finish for up to ``CLOSE_GRACE`` seconds,
+    then drops the rest and returns when the loop ended. ``stats`` counts connections and
     requests (``gpu_exporter_http_*``).
+
+    An app with an ``inline(environ) -> bool`` method is called on the loop's thread for the
+    requests it says it answers at once (reads of what is already computed); every other
+    request goes to a worker thread. An app without one is always called on a worker.
     """
 
     def __init__(
@@ -217,12 +239,22 @@ class HttpServer:
     ) -> None:
         options = options or Options()
         self.app = app
+        inline = getattr(app, "inline", None)
+        self._inline: Callable[[Environ], bool] = inline if callable(inline) else _never
         self.ssl_context = ssl_context
         self.stats = stats or HttpStats()
         self.max_connections = _default(options.max_connections, MAX_CONNECTIONS)
         self.head_timeout = _default(options.head_timeout, HEAD_DEADLINE)
         self.keepalive_timeout = _default(options.keepalive_timeout, KEEPALIVE_TIMEOUT)
         self.write_timeout = _default(options.write_timeout, WRITE_DEADLINE)
+        self.deadlines = Deadlines(
+            head=self.head_timeout,
+            keepalive=self.keepalive_timeout,
+            write=self.write_timeout,
+            error_write=ERROR_WRITE_DEADLINE,
+            linger=LINGER,
+            linger_bytes=_LINGER_BYTES,
+        )
         max_head = _default(options.max_head, MAX_HEAD)
         self.limits = Limits(
             max_head=max_head,
@@ -250,7 +282,7 @@ class HttpServer:
             self.socket.close()
             raise
         #: What every request's WSGI environ starts with.
-        self._base_environ: dict[str, Any] = {
+        self._base_environ: Environ = {
             "SCRIPT_NAME": "",
             "SERVER_NAME": str(self._address[0]),
             "SERVER_PORT": str(self._address[1]),
@@ -261,9 +293,13 @@ class HttpServer:
             "wsgi.multiprocess": False,
             "wsgi.run_once": False,
         }
-        self._wake_r, self._wake_w = socket.socketpair()
+        self._loop = asyncio.new_event_loop()
+        self._connections: set[HttpConnection] = set()
+        self._workers = _Workers(WORKERS)
+        self._closing = False  # the loop is stopping (read on the loop's thread)
+        self._stopped = False
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._accept_loop, name="http-accept", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="http-loop", daemon=True)
 
     @property
     def address(self) -> tuple[Any, ...]:
@@ -284,128 +320,135 @@ class HttpServer:
         """Connections refused at the cap or dropped for a bad or slow head."""
         return self.stats.rejected
 
+    @property
+    def closing(self) -> bool:
+        """The server is stopping: responses say ``Connection: close``."""
+        return self._closing
+
     def start(self) -> HttpServer:
         self._thread.start()
         return self
 
     def close(self) -> None:
-        """Stop accepting and close the listening socket; returns when the accept loop ended."""
+        """Stop accepting and serving; returns when the loop ended (see the class)."""
         if self._closed.is_set():
             return
         self._closed.set()
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
         if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._shutdown)
             self._thread.join()
-        for sock in (self.socket, self._wake_r, self._wake_w):
-            sock.close()
+        else:
+            self._loop.close()
+        self._workers.stop()
+        self.socket.close()
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        loop = self._loop
+        asyncio.set_event_loop(loop)
+        loop.set_exception_handler(_exception_handler)
+        loop.add_reader(self.socket.fileno(), self._accept)
+        try:
+            loop.run_forever()
+        finally:
+            self._finish()
+
+    def _shutdown(self) -> None:
+        """On the loop: stop accepting, close idle connections, stop when the rest are gone."""
+        self._closing = True
+        self._loop.remove_reader(self.socket.fileno())
+        for connection in list(self._connections):
+            connection.shutdown()
+        self._loop.call_later(CLOSE_GRACE, self._stop)
+        if not self._connections:
+            self._stop()
+
+    def _stop(self) -> None:
+        if not self._stopped:
+            self._stopped = True
+            self._loop.stop()
+
+    def _finish(self) -> None:
+        """After the loop stopped: drop what is left, end the handshakes, close the loop."""
+        loop = self._loop
+        self._stopped = True
+        for connection in list(self._connections):
+            connection.abort()
+        tasks = asyncio.all_tasks(loop)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        for _ in range(3):  # the transports' connection_lost callbacks
+            loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
 
     # -- accepting ------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.socket, selectors.EVENT_READ)
-            selector.register(self._wake_r, selectors.EVENT_READ)
-            while not self._closed.is_set():
-                ready = selector.select()
-                if self._closed.is_set():
+    def _accept(self) -> None:
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                conn, peer = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # aborted connections, network errors: try the next one
+                log.debug("accept failed: %s", exc)
+                if exc.errno in _RESOURCE_ERRNOS:  # out of descriptors or memory: let some go
+                    self._loop.remove_reader(self.socket.fileno())
+                    self._loop.call_later(_RESOURCE_PAUSE, self._resume_accepting)
                     return
-                if ready:
-                    self._accept_one()
+                continue
+            if not self.stats.open(self.max_connections):
+                log.debug("closing a connection from %s: %d open", peer, self.stats.connections)
+                conn.close()
+                continue
+            deadline = self._loop.time() + self.head_timeout
+            connection = HttpConnection(self, self._loop, peer, deadline, self.ssl_context)
+            self._loop.create_task(self._connect(conn, connection))
 
-    def _accept_one(self) -> None:
+    def _resume_accepting(self) -> None:
+        if not self._closing:
+            self._loop.add_reader(self.socket.fileno(), self._accept)
+
+    async def _connect(self, conn: socket.socket, connection: HttpConnection) -> None:
+        """Give ``conn`` a transport; ``connection`` takes over from there."""
         try:
-            conn, peer = self.socket.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:  # aborted connections, network errors: try the next one
-            log.debug("accept failed: %s", exc)
-            if exc.errno in _RESOURCE_ERRNOS:  # out of descriptors or memory: let some go
-                time.sleep(0.05)
-            return
-        if not self.stats.open(self.max_connections):
-            log.debug("closing a connection from %s: %d open", peer, self.stats.connections)
+            await self._loop.connect_accepted_socket(lambda: connection, conn)
+        except OSError as exc:  # a client gone already
+            log.debug("%s: connection dropped: %s", connection.peer, exc)
+            connection.release()
             conn.close()
-            return
-        try:
-            threading.Thread(
-                target=self._serve_connection, args=(conn, peer), name="http-conn", daemon=True
-            ).start()
-        except RuntimeError as exc:  # cannot start a new thread
-            log.debug("closing a connection from %s: %s", peer, exc)
-            self.stats.close()
+        except asyncio.CancelledError:  # the server is closing
+            connection.release()
             conn.close()
+            raise
 
-    # -- one connection -------------------------------------------------------------------
+    def opened(self, connection: HttpConnection) -> None:
+        self._connections.add(connection)
 
-    def _serve_connection(self, conn: socket.socket, peer: Any) -> None:
-        sock = conn
+    def closed(self, connection: HttpConnection) -> None:
+        self._connections.discard(connection)
+        if self._closing and not self._connections:
+            self._stop()
+
+    # -- answering ------------------------------------------------------------------------
+
+    def respond(self, request: Request, peer: Any, done: Callable[[Reply], None]) -> Reply | None:
+        """The app's answer now when it says it answers ``request`` at once; else None, and
+        the answer comes from a worker thread through ``done``."""
         try:
-            deadline = time.monotonic() + self.head_timeout
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.ssl_context is not None:
-                conn.settimeout(_remaining(deadline))
-                # The handshake's timeout is a deadline for the whole handshake (the ssl module
-                # carries it across the reads and writes it makes).
-                sock = self.ssl_context.wrap_socket(
-                    conn, server_side=True, do_handshake_on_connect=False
-                )
-                try:
-                    sock.do_handshake()
-                except OSError:
-                    self.stats.reject()
-                    raise
-            self._serve_requests(sock, peer, deadline)
-        except OSError as exc:  # timeouts, resets, TLS errors, a client gone away
-            log.debug("%s: connection dropped: %s", peer, exc)
-        except Exception:  # a bug of ours: logged, and the server goes on
-            log.exception("error serving a connection from %s", peer)
-        finally:
-            try:
-                sock.close()
-            finally:
-                self.stats.close()
+            environ = self._environ(request, peer)
+        except HttpError as exc:  # a target llhttp took but the URL parser does not
+            reply = self.error_reply(exc.status, str(exc))
+            reply.path = ""
+            return reply
+        if self._inline(environ):
+            return self._call_app(environ, request)
+        self._workers.submit(self._loop, lambda: self._call_app(environ, request), done)
+        return None
 
-    def _serve_requests(self, sock: socket.socket, peer: Any, deadline: float) -> None:
-        """Requests on one connection until it closes; the first before ``deadline``."""
-        http = Connection(sock, self.limits, self.head_timeout)
-        first: float | None = deadline
-        while True:
-            idle_until = time.monotonic() + self.keepalive_timeout
-            try:
-                request = http.read_request(first, idle_until)
-            except HttpError as exc:
-                log.debug("%s: %d %s", peer, exc.status, exc)
-                self.stats.reject()
-                self._send_error(http, exc.status, str(exc))
-                _linger(http.io)
-                return
-            except TimeoutError:
-                log.debug("%s: request head not received within %gs", peer, self.head_timeout)
-                self.stats.reject()
-                self._send_error(http, 408, "request head not received in time")
-                return
-            if request is None:  # closed, or idle past the keep-alive timeout
-                return
-            first = None
-            try:
-                environ = self._environ(request, sock, peer)
-            except HttpError as exc:  # a target llhttp took but the URL parser does not
-                self._send_error(http, exc.status, str(exc))
-                self.stats.request("", exc.status)
-                _linger(http.io)
-                return
-            keep = self.keepalive_timeout > 0 and not self._closed.is_set()
-            status, reason, headers, body = self._call_app(environ, request)
-            parts = http.response(status, reason, headers, body, close=not keep)
-            send_parts(http.io, parts, time.monotonic() + self.write_timeout)
-            self.stats.request(environ["PATH_INFO"], status)
-            if not http.keep_alive:
-                _linger(http.io)
-                return
-            http.next_cycle()
-
-    def _send_error(self, http: Connection, status: int, message: str) -> None:
+    def error_reply(self, status: int, message: str) -> Reply:
         body = (message + "\n").encode()
         headers = [
             (b"Content-Type", b"text/plain; charset=utf-8"),
@@ -413,14 +456,10 @@ class HttpServer:
             (b"Date", self._date()),
             *self.extra_headers,
         ]
-        with contextlib.suppress(OSError):
-            parts = http.response(status, _REASONS.get(status, b""), headers, [body], close=True)
-            send_parts(http.io, parts, time.monotonic() + ERROR_WRITE_DEADLINE)
+        return Reply(status, _REASONS.get(status, b""), headers, [body], None, close=True)
 
-    def _call_app(
-        self, environ: dict[str, Any], request: Request
-    ) -> tuple[int, bytes, list[tuple[bytes, bytes]], list[bytes]]:
-        """(status, reason, headers, body parts) of the app's answer to ``environ``."""
+    def _call_app(self, environ: Environ, request: Request) -> Reply:
+        """The app's answer to ``environ``; a 500 when it raises."""
         started: list[Any] = []
 
         def start_response(
@@ -458,9 +497,9 @@ class HttpServer:
             headers.append((b"Content-Length", str(sum(map(len, body))).encode()))
         headers.append((b"Date", self._date()))
         headers.extend(self.extra_headers)
-        return status, reason.encode("latin-1"), headers, body
+        return Reply(status, reason.encode("latin-1"), headers, body, environ["PATH_INFO"])
 
-    def _environ(self, request: Request, sock: socket.socket, peer: Any) -> dict[str, Any]:
+    def _environ(self, request: Request, peer: Any) -> Environ:
         try:
             target = request.target.decode("ascii")
         except UnicodeDecodeError:
