@@ -73,9 +73,9 @@ def _add_settings(
             )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> launcher_flags.CommandParser:
     """The argument parser of every subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = launcher_flags.CommandParser(
         prog="gpu-exporter",
         description="NVIDIA GPU exporter: one NVML sample per interval, served as Prometheus "
         "metrics and JSON.",

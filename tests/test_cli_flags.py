@@ -113,15 +113,7 @@ TAIL = {"run": ["--", "true"]}
 def _options() -> dict[str, dict[str, argparse.Action]]:
     """Every option of the top-level parser ("") and of each subcommand, by its long name."""
     parser = build_parser()
-
-    def named(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-        return {max(a.option_strings, key=len): a for a in p._actions if a.option_strings}
-
-    out = {"": named(parser)}
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            out.update({name: named(sub) for name, sub in action.choices.items()})
-    return out
+    return {"": parser.options} | {name: sub.options for name, sub in parser.commands.items()}
 
 
 OPTIONS = _options()

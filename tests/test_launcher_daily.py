@@ -6,7 +6,6 @@ Real processes, real signals and real locks on simulated GPUs; every wait is on 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -362,10 +361,8 @@ def test_usage_errors_show_the_subcommands_short_usage(argv, usage):
 
 
 def _flags(command: str) -> set[str]:
-    parser = build_parser()
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    sub = subparsers.choices[command]
-    return {flag for action in sub._actions for flag in action.option_strings}
+    options = build_parser().commands[command].options.values()
+    return {flag for action in options for flag in action.option_strings}
 
 
 SELECTION = {"--count", "--policy", "--min-free-memory", "--max-utilization", "--max-temperature"}

@@ -37,7 +37,29 @@ def add_selection_flags(parser: argparse.ArgumentParser) -> None:
 # -- the parsers -----------------------------------------------------------------------------------
 
 
-class SubcommandParser(argparse.ArgumentParser):
+class CommandParser(argparse.ArgumentParser):
+    """An ArgumentParser that keeps what was added to it, for help texts and tests to read:
+    ``options`` (each option's Action by its longest flag) and ``commands`` (each subcommand's
+    parser by name)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.options: dict[str, argparse.Action] = {}  # before super(): it adds --help
+        self.commands: dict[str, CommandParser] = {}
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        if action.option_strings:
+            self.options[max(action.option_strings, key=len)] = action
+        return action
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        action = super().add_subparsers(**kwargs)
+        self.commands = action.choices  # the mapping argparse fills as parsers are added
+        return action
+
+
+class SubcommandParser(CommandParser):
     """The parser of every subcommand (``add_subparsers(parser_class=...)``): it reports an
     unknown flag itself, under its own short usage (not the top level's), and reads ``-5s`` as a
     value for the validators to refuse in one line naming the flag, not as an unknown flag."""
