@@ -455,6 +455,16 @@ def test_the_server_exports_its_own_state(quick):
     assert found[("gpu_exporter_http_requests_total", (("code", "404"), ("path", "other")))] == 1
 
 
+def test_only_routes_that_do_work_per_request_leave_the_event_loop(quick):
+    """``App.inline``: the server calls the app on its loop for the routes that read what the
+    sampler rendered, and on a worker thread for those that build an answer per request."""
+    app = quick().app
+    for path in ("/metrics", "/healthz", "/", "/nope"):
+        assert app.inline({"PATH_INFO": path, "REQUEST_METHOD": "GET"}), path
+    for path in ("/snapshot", "/recommend"):
+        assert not app.inline({"PATH_INFO": path, "REQUEST_METHOD": "GET"}), path
+
+
 def test_the_path_label_stays_bounded(quick):
     agent = quick()
     conn = http.client.HTTPConnection("127.0.0.1", agent.port, timeout=5)

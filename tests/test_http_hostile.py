@@ -8,6 +8,7 @@ tests/test_http.py; this file adds what a hostile client can send. The parsing i
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
 import resource
@@ -19,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import bcrypt
 import pytest
 
 import exporter.web.server
@@ -27,6 +29,7 @@ from exporter.sampling.sampler import Sampler
 from exporter.web.http1 import Connection, HttpError, Limits, Request
 from exporter.web.routes import App, Server, serve
 from exporter.web.server import Options
+from exporter.web.webconfig import WebConfig
 from tests.test_http import Agent, wait_for
 
 SCENARIO = "gpus: [{name: GPU A}, {name: GPU B}]\n"
@@ -51,8 +54,14 @@ def start(simulated, collector) -> Iterator[Callable[..., Server]]:
     sampler.sample_once()
     started: list[Server] = []
 
-    def run(options: Options | None = None, **tls: str) -> Server:
-        server = serve(App(sampler), "127.0.0.1", 0, options=options, **tls)
+    def run(
+        options: Options | None = None,
+        *,
+        make_app: Callable[[Sampler], App] = App,
+        web: WebConfig | None = None,
+        **tls: str,
+    ) -> Server:
+        server = serve(make_app(sampler), "127.0.0.1", 0, options=options, web=web, **tls)
         started.append(server)
         return server
 
@@ -563,6 +572,24 @@ def test_slowloris_clients_do_not_stop_scrapes_and_are_cut_at_the_head_deadline(
     wait_for(lambda: server.httpd.connections == 0)
 
 
+def test_a_client_that_never_reads_is_cut_off_at_the_write_deadline(start):
+    """Pipelined requests from a client that reads nothing: the server answers while the kernel
+    takes the bytes, then stops (it reads no more requests while an answer waits) and drops the
+    connection at the write deadline; other scrapes go on meanwhile."""
+    server = start(Options(write_timeout=1.0))
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+        sock.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            sock.send(request * 5000)  # far more answers than the kernel's buffers hold
+        started = time.monotonic()
+        assert scrape(server.port)[0] == 200
+        wait_for(lambda: server.httpd.connections == 0, timeout=10)  # while it is still open
+        assert time.monotonic() - started >= 1.0 - 0.3
+
+
 def test_408_to_a_client_that_stops_mid_head(start):
     server = start(Options(head_timeout=0.5))
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
@@ -585,6 +612,99 @@ def test_connections_beyond_the_cap_are_closed_at_once(start):
             sock.close()
     wait_for(lambda: server.httpd.connections == 0)
     assert scrape(server.port)[0] == 200
+
+
+# -- slow work stays off the loop -----------------------------------------------------------
+
+
+class GatedApp(App):
+    """``/snapshot`` waits for ``gate`` (a route stuck in slow work); ``entered`` says it is."""
+
+    def __init__(self, sampler: Sampler, gate: threading.Event, entered: threading.Event) -> None:
+        super().__init__(sampler)
+        self.gate, self.entered = gate, entered
+
+    def snapshot(self, params, environ):
+        self.entered.set()
+        self.gate.wait(20)
+        return super().snapshot(params, environ)
+
+
+def answered(sock: socket.socket) -> bool:
+    """Whether the server has sent something on ``sock`` (without waiting)."""
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def test_a_request_stuck_in_a_slow_route_does_not_delay_another_connection(start):
+    gate, entered = threading.Event(), threading.Event()
+    server = start(make_app=lambda sampler: GatedApp(sampler, gate, entered))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as stuck:
+        stuck.sendall(b"GET /snapshot HTTP/1.1\r\nHost: x\r\n\r\n")
+        try:
+            assert entered.wait(5)
+            for _ in range(3):
+                started = time.monotonic()
+                status, body = scrape(server.port)
+                assert status == 200 and b"gpu_up{" in body
+                assert time.monotonic() - started < 1.0
+                assert status_of(get(server.port, "/healthz")) in (200, 503)
+            assert not answered(stuck)  # still stuck meanwhile
+        finally:
+            gate.set()
+        stuck.shutdown(socket.SHUT_WR)
+        answer = read_to_eof(stuck)
+    assert status_of(answer) == 200 and b'"gpus"' in answer
+
+
+def test_close_is_prompt_whatever_the_connections_are_doing(start):
+    """Idle and half-sent connections are closed at once; one whose answer is stuck in a route
+    is dropped after a short grace: close() returns, and the clients see their end."""
+    gate, entered = threading.Event(), threading.Event()
+    server = start(make_app=lambda sampler: GatedApp(sampler, gate, entered))
+    socks = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(3)]
+    idle, partial, stuck = socks
+    try:
+        idle.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert idle.recv(65536).startswith(b"HTTP/1.1 ")
+        partial.sendall(b"GET /metrics HTTP/1.1\r\n")
+        stuck.sendall(b"GET /snapshot HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert entered.wait(5)
+        started = time.monotonic()
+        server.close()
+        assert time.monotonic() - started < 3
+        assert read_to_eof(idle) == b"" and read_to_eof(partial) == b""
+        assert read_to_eof(stuck) == b""
+    finally:
+        gate.set()
+        for sock in socks:
+            sock.close()
+
+
+def basic(user: str, password: str) -> bytes:
+    return b"Authorization: Basic " + base64.b64encode(f"{user}:{password}".encode()) + b"\r\n"
+
+
+def test_bcrypt_checks_do_not_delay_a_scrape_whose_password_is_remembered(start):
+    """Wrong passwords cost a bcrypt check each (one at a time, ~0.25 s here); a scraper whose
+    password passed lately is answered at once, not after the checks queued before it."""
+    hashed = bcrypt.hashpw(b"wonderland", bcrypt.gensalt(12))
+    server = start(web=WebConfig(path="web.yml", users={"alice": hashed}))
+    good = get(server.port, "/metrics", extra=basic("alice", "wonderland"))
+    assert status_of(good) == 200  # checked once; remembered from now on
+    bad = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(3)]
+    try:
+        for sock in bad:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + basic("alice", "x") + b"\r\n")
+        select.select(bad, [], [], 10)  # the first check is done: the others are queued
+        answer = get(server.port, "/metrics", extra=basic("alice", "wonderland"))
+        assert status_of(answer) == 200 and b"gpu_up{" in answer
+        assert not all(answered(sock) for sock in bad), "the scrape waited for the checks"
+        for sock in bad:
+            sock.shutdown(socket.SHUT_WR)
+            assert status_of(read_to_eof(sock)) == 401
+    finally:
+        for sock in bad:
+            sock.close()
 
 
 # -- TLS -----------------------------------------------------------------------------------

@@ -148,6 +148,35 @@ def test_success_is_cached_and_unknown_users_cost_a_bcrypt_check():
     assert auth.cached() <= 2
 
 
+def test_inline_only_when_no_bcrypt_check_is_due():
+    """The server calls the app on its event loop only when ``inline`` says so: never when a
+    bcrypt check is due (tens of milliseconds), and as the wrapped app says otherwise."""
+
+    class App:
+        def __init__(self, inline: bool) -> None:
+            self.answer = inline
+
+        def __call__(self, environ, start_response):
+            start_response("200 OK", [("Content-Length", "0")])
+            return [b""]
+
+        def inline(self, environ) -> bool:
+            return self.answer
+
+    right = basic("alice", "wonderland")["Authorization"]
+    auth = BasicAuth(App(True), {"alice": ALICE.encode()}, open_paths=("/healthz",))
+    metrics = {"PATH_INFO": "/metrics"}
+    assert auth.inline(metrics)  # no credentials: a 401 at once
+    assert auth.inline({**metrics, "HTTP_AUTHORIZATION": "Bearer x"})
+    assert not auth.inline({**metrics, "HTTP_AUTHORIZATION": right})  # not checked yet
+    assert auth.allowed(right) and auth.checks == 1
+    assert auth.inline({**metrics, "HTTP_AUTHORIZATION": right})  # remembered
+    assert not auth.inline({**metrics, "HTTP_AUTHORIZATION": basic("alice", "x")["Authorization"]})
+    assert auth.inline({"PATH_INFO": "/healthz"}) and auth.checks == 1
+    slow = BasicAuth(App(False), {"alice": ALICE.encode()})
+    assert slow.allowed(right) and not slow.inline({**metrics, "HTTP_AUTHORIZATION": right})
+
+
 # -- headers --------------------------------------------------------------------------------
 
 
