@@ -25,7 +25,7 @@ import logging
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from exporter.web.http1 import Connection, HttpError, Limits, Request
 from exporter.web.stats import HttpStats
@@ -181,8 +181,7 @@ class HttpConnection(asyncio.Protocol):
     # -- asyncio's callbacks ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's: duck-typed
         transport.set_write_buffer_limits(high=0)  # pause_writing until all is with the kernel
         self.service.opened(self)
         self._arm()
