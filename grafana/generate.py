@@ -155,8 +155,10 @@ def timeseries(
     bars: bool = False,
     stack: bool = False,
     min_value: float | None = None,
+    log_scale: bool = False,
 ) -> Panel:
-    custom = {
+    """``log_scale``: a log10 y axis, for a value next to a limit orders of magnitude higher."""
+    custom: dict[str, Any] = {
         "axisSoftMin": 0,
         "drawStyle": "bars" if bars else "line",
         "fillOpacity": 30 if stack or bars else 10,
@@ -165,6 +167,9 @@ def timeseries(
         "spanNulls": False,
         "stacking": {"group": "A", "mode": "normal" if stack else "none"},
     }
+    if log_scale:
+        del custom["axisSoftMin"]  # 0 has no place on a log axis
+        custom["scaleDistribution"] = {"type": "log", "log": 10}
     defaults: dict[str, Any] = {
         "color": {"mode": "palette-classic"},
         "custom": custom,
@@ -239,7 +244,7 @@ def bargauge(
 def table(
     pid: int,
     title: str,
-    expr: str,
+    expr: str | list[str],
     columns: list[str],
     description: str,
     hide: list[str],
@@ -248,8 +253,15 @@ def table(
     sort_by: str | None = None,
     w: int = 24,
     h: int = 8,
+    units: dict[str, str] | None = None,
 ) -> Panel:
-    """An instant query in table format: one row per series, its labels as columns."""
+    """An instant query in table format: one row per series, its labels as columns.
+
+    Several queries (``expr`` a list; refs A, B, ...) are merged into one row per label set,
+    their values in the columns ``Value #A``, ``Value #B``, ...; ``units`` gives a column (by its
+    name after ``rename``) a unit of its own.
+    """
+    exprs = [expr] if isinstance(expr, str) else expr
     defaults = {
         "color": {"mode": "thresholds"},
         "custom": {"align": "auto", "cellOptions": {"type": "auto"}, "inspect": False},
@@ -263,11 +275,16 @@ def table(
     }
     if sort_by:
         options["sortBy"] = [{"desc": True, "displayName": sort_by}]
-    targets = [target(expr, table=True)]
-    out = panel("table", pid, title, targets, w, h, description, defaults, options)
+    targets = [target(e, ref=chr(ord("A") + i), table=True) for i, e in enumerate(exprs)]
+    overrides = [
+        {"matcher": {"id": "byName", "options": name}, "properties": [{"id": "unit", "value": u}]}
+        for name, u in (units or {}).items()
+    ]
+    out = panel("table", pid, title, targets, w, h, description, defaults, options, overrides)
     # Prometheus' table format already makes each label a column; organize orders and names them.
     always_hidden = ["Time", "__name__", "job"]
-    out["transformations"] = [organize(columns, always_hidden + hide, rename or {})]
+    merge = [{"id": "merge", "options": {}}] if len(exprs) > 1 else []
+    out["transformations"] = [*merge, organize(columns, always_hidden + hide, rename or {})]
     return out
 
 
@@ -350,6 +367,8 @@ THERMAL_AND_POWER_REASONS = (
 SLOWDOWN = 'threshold="slowdown"'
 LAST_SUCCESS = sel("gpu_exporter_action_last_success_timestamp_seconds", gpu=False)
 OFF_ON = mapping((0, "no", "transparent"), (1, "active", "red"))
+HTTP_ERRORS = sel("gpu_exporter_http_requests_total", 'code=~"[45].."', gpu=False)
+PROCESS_COLUMNS = ["instance", "gpu", "uuid", "pid", "user", "process", "type"]
 
 ROWS: list[tuple[int, str, list[Panel]]] = [
     (
@@ -525,15 +544,18 @@ ROWS: list[tuple[int, str, list[Panel]]] = [
             table(
                 201,
                 "GPU processes",
-                sel("gpu_process_memory_used_bytes"),
-                ["instance", "gpu", "uuid", "pid", "user", "process", "type", "Value"],
-                "Every process on the selected GPUs with the GPU memory it uses, now. user and "
-                "process are empty when the agent cannot see the PID (another PID namespace).",
+                [sel("gpu_process_memory_used_bytes"), sel("gpu_process_sm_utilization_ratio")],
+                [*PROCESS_COLUMNS, "Value #A", "Value #B"],
+                "Every process on the selected GPUs with the GPU memory it uses and its SM "
+                "utilization (the highest since the previous sample), now. user and process are "
+                "empty when the agent cannot see the PID (another PID namespace); SM utilization "
+                "is empty where the GPU or driver cannot report it.",
                 hide=[],
-                rename={"Value": "memory"},
+                rename={"Value #A": "memory", "Value #B": "SM utilization"},
                 unit="bytes",
                 sort_by="memory",
                 h=9,
+                units={"SM utilization": "percentunit"},
             ),
             timeseries(
                 202,
@@ -549,6 +571,40 @@ ROWS: list[tuple[int, str, list[Panel]]] = [
                 w=24,
                 stack=True,
                 min_value=0,
+            ),
+            timeseries(
+                203,
+                "SM utilization by process",
+                [
+                    target(
+                        # A process NVML lists as compute and graphics has two series, one value.
+                        f"max by (instance, gpu, uuid, pid, user, process) "
+                        f"({sel('gpu_process_sm_utilization_ratio')})",
+                        GPU_LEGEND + " {{process}} (pid {{pid}}, {{user}})",
+                    ),
+                ],
+                "percentunit",
+                "Share of the GPU's SMs each process kept busy: the highest value NVML reported "
+                "for it since the previous sample, 0 when it did nothing. Processes that hold "
+                "memory at 0 here are idle.",
+                min_value=0,
+            ),
+            table(
+                204,
+                "Idle processes holding GPU memory (30m)",
+                f"{sel('gpu_process_memory_used_bytes')} > 0"
+                f" and on (instance, gpu, uuid, pid, type)"
+                f" max_over_time({sel('gpu_process_sm_utilization_ratio')}[30m]) == 0",
+                [*PROCESS_COLUMNS, "Value"],
+                "Processes that hold GPU memory and did not use the SMs at all in the last 30 "
+                "minutes (or since they started, when that is more recent): forgotten notebooks, "
+                "hung or finished jobs that did not exit. Processes whose SM utilization is "
+                "unknown are not listed.",
+                hide=["uuid", "type"],
+                rename={"Value": "memory"},
+                unit="bytes",
+                sort_by="memory",
+                w=12,
             ),
         ],
     ),
@@ -723,6 +779,120 @@ ROWS: list[tuple[int, str, list[Panel]]] = [
                 "Version of gpu-exporter and Python on each instance.",
                 hide=["Value"],
                 w=12,
+            ),
+            timeseries(
+                409,
+                "HTTP requests by path and code",
+                [
+                    target(
+                        f"sum by (instance, path, code) (rate("
+                        f"{sel('gpu_exporter_http_requests_total', gpu=False)}[$__rate_interval]))",
+                        "{{instance}} {{path}} {{code}}",
+                    ),
+                ],
+                "reqps",
+                "Requests the agent answered per second, by route and status code; paths it "
+                "does not serve count as other. A scrape is counted once its response is sent.",
+                w=12,
+                min_value=0,
+            ),
+            timeseries(
+                410,
+                "HTTP error responses",
+                [
+                    # A code is a series only once answered: then 0 per instance.
+                    target(
+                        f"sum by (instance, path, code) (rate({HTTP_ERRORS}[$__rate_interval]))"
+                        f" or on (instance) (0 * max by (instance) "
+                        f"({sel('gpu_exporter_http_connections', gpu=False)}))",
+                        "{{instance}} {{path}} {{code}}",
+                    ),
+                ],
+                "reqps",
+                "Requests answered with a 4xx or 5xx status: 401 a client without valid "
+                "credentials (web config), 404 paths the agent does not serve, 503 a /healthz "
+                "or /snapshot while the sample is stale or NVML is down, 500 a bug (see the "
+                "agent's log).",
+                w=12,
+                min_value=0,
+            ),
+            timeseries(
+                411,
+                "HTTP connections open",
+                [target(sel("gpu_exporter_http_connections", gpu=False), "{{instance}}")],
+                "none",
+                "Connections open at scrape time, idle keep-alive ones and the scrape's own "
+                "included; new ones are refused once web.max_connections (default 1024) are open.",
+                w=8,
+                min_value=0,
+            ),
+            timeseries(
+                412,
+                "Rejected connections",
+                [
+                    target(
+                        f"increase({sel('gpu_exporter_http_rejected_connections_total', gpu=False)}"
+                        "[$__rate_interval])",
+                        "{{instance}}",
+                    ),
+                ],
+                "none",
+                "Connections refused at web.max_connections, or dropped for a bad or slow "
+                "request head or a failed TLS handshake. Scrapes fail while the limit is reached.",
+                w=8,
+                bars=True,
+                min_value=0,
+            ),
+            timeseries(
+                413,
+                "Agent memory (RSS)",
+                [target(sel("process_resident_memory_bytes", gpu=False), "{{instance}}")],
+                "bytes",
+                "Resident memory of the agent's process. Steady growth is a leak.",
+                w=8,
+                min_value=0,
+            ),
+            timeseries(
+                414,
+                "Agent CPU",
+                [
+                    target(
+                        f"rate({sel('process_cpu_seconds_total', gpu=False)}[$__rate_interval])",
+                        "{{instance}}",
+                    ),
+                ],
+                "percentunit",
+                "CPU time the agent's process uses (user and system): 100% is one core.",
+                w=8,
+                min_value=0,
+            ),
+            timeseries(
+                415,
+                "Open file descriptors vs limit",
+                [
+                    target(sel("process_open_fds", gpu=False), "{{instance}} open"),
+                    target(sel("process_max_fds", gpu=False), "{{instance}} limit", ref="B"),
+                ],
+                "none",
+                "File descriptors the agent holds (connections among them); the dashed lines "
+                "are its limit (ulimit -n, LimitNOFILE). Log scale.",
+                w=8,
+                overrides=[dashed("B")],
+                log_scale=True,
+            ),
+            timeseries(
+                416,
+                "Agent uptime",
+                [
+                    target(
+                        f"time() - {sel('process_start_time_seconds', gpu=False)}",
+                        "{{instance}}",
+                    ),
+                ],
+                "s",
+                "Time since the agent's process started: a drop is a restart.",
+                w=8,
+                min_value=0,
             ),
         ],
     ),

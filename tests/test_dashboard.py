@@ -21,8 +21,13 @@ PROVISIONED_DIR = "/var/lib/grafana/dashboards/gpu-exporter"
 #: Exported by the agent (exporter/exposition/metrics.py) but not yet listed in docs/metrics.md.
 #: Drop a name from here once the docs list it.
 
-#: Metrics without the gpu label (so their selectors take no gpu=~"$gpu").
-NO_GPU_LABEL = re.compile(r"gpu_exporter_\w+|gpu_recommended_devices")
+#: Metrics without the gpu label (so their selectors take no gpu=~"$gpu"): the agent's own, and
+#: prometheus_client's process_* metrics of the agent's process.
+NO_GPU_LABEL = re.compile(r"gpu_exporter_\w+|gpu_recommended_devices|process_\w+")
+
+#: A metric name in PromQL or in docs/metrics.md: the agent's gpu_* and the process_* ones.
+#: (``gpu_process_*`` is one name: no word boundary inside it.)
+METRIC = r"\b(?:gpu|process)_\w+"
 
 #: (title, panel type, unit or None, a metric the panel's queries use): the required sections.
 REQUIRED = [
@@ -42,6 +47,14 @@ REQUIRED = [
     ("Average power from the energy counter (5m)", "timeseries", "watt", "gpu_energy_joules_total"),
     ("Throttling (thermal and power)", "state-timeline", None, "gpu_clock_event_active"),
     ("GPU processes", "table", "bytes", "gpu_process_memory_used_bytes"),
+    ("GPU processes", "table", "bytes", "gpu_process_sm_utilization_ratio"),
+    ("SM utilization by process", "timeseries", "percentunit", "gpu_process_sm_utilization_ratio"),
+    (
+        "Idle processes holding GPU memory (30m)",
+        "table",
+        "bytes",
+        "gpu_process_sm_utilization_ratio",
+    ),
     ("Zombie processes by class", "timeseries", None, "gpu_zombie_processes"),
     ("Thermal hotspots", "state-timeline", None, "gpu_thermal_hotspot"),
     ("Thermal outliers", "state-timeline", None, "gpu_thermal_outlier"),
@@ -59,6 +72,20 @@ REQUIRED = [
         "gpu_exporter_action_last_success_timestamp_seconds",
     ),
     ("Action failures", "timeseries", None, "gpu_exporter_action_failures_total"),
+    ("HTTP requests by path and code", "timeseries", "reqps", "gpu_exporter_http_requests_total"),
+    ("HTTP error responses", "timeseries", "reqps", "gpu_exporter_http_requests_total"),
+    ("HTTP connections open", "timeseries", "none", "gpu_exporter_http_connections"),
+    (
+        "Rejected connections",
+        "timeseries",
+        "none",
+        "gpu_exporter_http_rejected_connections_total",
+    ),
+    ("Agent memory (RSS)", "timeseries", "bytes", "process_resident_memory_bytes"),
+    ("Agent CPU", "timeseries", "percentunit", "process_cpu_seconds_total"),
+    ("Open file descriptors vs limit", "timeseries", "none", "process_open_fds"),
+    ("Open file descriptors vs limit", "timeseries", "none", "process_max_fds"),
+    ("Agent uptime", "timeseries", "s", "process_start_time_seconds"),
 ]
 
 
@@ -77,8 +104,8 @@ def by_title(dashboard: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def metric_names(expr: str) -> set[str]:
-    """The gpu_* metric names an expression uses (string literals left out)."""
-    return set(re.findall(r"\bgpu_\w+", re.sub(r'"[^"]*"', '""', expr)))
+    """The gpu_* and process_* metric names an expression uses (string literals left out)."""
+    return set(re.findall(METRIC, re.sub(r'"[^"]*"', '""', expr)))
 
 
 def test_json_is_what_the_generator_writes(tmp_path: Path) -> None:
@@ -148,7 +175,7 @@ def test_every_target_has_ref_and_expr(dashboard: dict[str, Any]) -> None:
 
 
 def test_every_metric_is_documented(dashboard: dict[str, Any]) -> None:
-    documented = set(re.findall(r"\bgpu_\w+", (ROOT / "docs" / "metrics.md").read_text()))
+    documented = set(re.findall(METRIC, (ROOT / "docs" / "metrics.md").read_text()))
     for panel in panels(dashboard):
         for target in panel["targets"]:
             for name in metric_names(target["expr"]):
@@ -156,7 +183,7 @@ def test_every_metric_is_documented(dashboard: dict[str, Any]) -> None:
 
 
 def test_every_selector_is_filtered(dashboard: dict[str, Any]) -> None:
-    selector = re.compile(r"\b(gpu_\w+)(\{[^}]*\})?")
+    selector = re.compile(rf"({METRIC})(\{{[^}}]*\}})?")
     for panel in panels(dashboard):
         for target in panel["targets"]:
             expr = target["expr"]
@@ -202,24 +229,63 @@ def test_specific_queries(dashboard: dict[str, Any]) -> None:
     for target in found["Sample errors"]["targets"]:
         if "gpu_exporter_sample_errors_total" in target["expr"]:
             assert " or " in target["expr"]
+    # So has a status code never answered yet.
+    (errors,) = found["HTTP error responses"]["targets"]
+    assert 'code=~"[45].."' in errors["expr"] and " or on (instance) " in errors["expr"]
+    assert "rate(" in found["HTTP requests by path and code"]["targets"][0]["expr"]
+    assert "increase(" in found["Rejected connections"]["targets"][0]["expr"]
+    assert "rate(" in found["Agent CPU"]["targets"][0]["expr"]
+    assert "time() -" in found["Agent uptime"]["targets"][0]["expr"]
+    # A process listed as compute and graphics is one line, not two.
+    sm = found["SM utilization by process"]["targets"][0]["expr"]
+    assert sm.startswith("max by (instance, gpu, uuid, pid, user, process) (")
+    fds = found["Open file descriptors vs limit"]
+    assert fds["fieldConfig"]["defaults"]["custom"]["scaleDistribution"]["type"] == "log"
+
+
+def test_panel_ids_follow_their_row(dashboard: dict[str, Any]) -> None:
+    """Panels of row N00 have ids N01, N02, ... in order, so links to a panel survive edits."""
+    row_id = 0
+    expected = 0
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            row_id = expected = panel["id"]
+            continue
+        expected += 1
+        assert panel["id"] == expected and row_id < panel["id"] < row_id + 100, panel["title"]
+
+
+PROCESS_COLUMNS = ["instance", "gpu", "uuid", "pid", "user", "process", "type"]
 
 
 def test_tables(dashboard: dict[str, Any]) -> None:
     found = by_title(dashboard)
-    for title, columns in [
-        ("GPU processes", ["instance", "gpu", "uuid", "pid", "user", "process", "type", "Value"]),
-        ("GPUs", ["instance", "gpu", "uuid", "name", "driver_version"]),
+    for title, queries, columns in [
+        ("GPU processes", 2, [*PROCESS_COLUMNS, "Value #A", "Value #B"]),
+        ("Idle processes holding GPU memory (30m)", 1, [*PROCESS_COLUMNS, "Value"]),
+        ("GPUs", 1, ["instance", "gpu", "uuid", "name", "driver_version"]),
     ]:
         panel = found[title]
-        (target,) = panel["targets"]
-        assert target["format"] == "table" and target["instant"] is True, title
-        organize = [t for t in panel["transformations"] if t["id"] == "organize"]
-        assert organize, title
-        order = organize[0]["options"]["indexByName"]
+        assert len(panel["targets"]) == queries, title
+        for target in panel["targets"]:
+            assert target["format"] == "table" and target["instant"] is True, title
+        kinds = [t["id"] for t in panel["transformations"]]
+        # Several queries are merged into one row per label set before the columns are ordered.
+        assert kinds == (["merge", "organize"] if queries > 1 else ["organize"]), title
+        order = panel["transformations"][-1]["options"]["indexByName"]
         assert sorted(order, key=order.get)[: len(columns)] == columns, title
-    rename = found["GPU processes"]["transformations"][0]["options"]["renameByName"]
-    assert rename == {"Value": "memory"}
-    assert found["GPU processes"]["fieldConfig"]["defaults"]["unit"] == "bytes"
+    processes = found["GPU processes"]
+    rename = processes["transformations"][-1]["options"]["renameByName"]
+    assert rename == {"Value #A": "memory", "Value #B": "SM utilization"}
+    assert processes["fieldConfig"]["defaults"]["unit"] == "bytes"
+    (override,) = processes["fieldConfig"]["overrides"]
+    assert override["matcher"] == {"id": "byName", "options": "SM utilization"}
+    assert override["properties"] == [{"id": "unit", "value": "percentunit"}]
+    metrics = [metric_names(t["expr"]) for t in processes["targets"]]
+    assert metrics == [{"gpu_process_memory_used_bytes"}, {"gpu_process_sm_utilization_ratio"}]
+    idle = found["Idle processes holding GPU memory (30m)"]
+    assert idle["transformations"][-1]["options"]["renameByName"] == {"Value": "memory"}
+    assert "max_over_time(" in idle["targets"][0]["expr"] and "== 0" in idle["targets"][0]["expr"]
 
 
 def test_queries_for_prometheus() -> None:
