@@ -29,6 +29,8 @@ REQUIRED_ALERTS = {
     "GpuZombieProcesses": "gpu_zombie_processes",
 }
 DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
+#: A metric name the rules may use: the agent's gpu_* and prometheus_client's process_*.
+METRIC = re.compile(r"(?<![\w:])((?:gpu|process)_[a-z0-9_]+)(?![\w:])")
 
 
 def _promtool() -> str:
@@ -147,16 +149,16 @@ def _referenced_metrics() -> set[str]:
         # Label values in matchers (reason="gpu_idle") are not metric names; the replacement
         # strings of label_replace ("metric", "gpu_up", ...) are, and stay.
         expr = re.sub(r'(=~|!~|!=|=)\s*"[^"]*"', "", expr)
-        names |= set(re.findall(r"(?<![\w:])(gpu_[a-z0-9_]+)(?![\w:])", expr))
+        names |= set(METRIC.findall(expr))
         for text in (rule.get("annotations") or {}).values():
-            names |= set(re.findall(r"(?<![\w:])(gpu_[a-z0-9_]+)(?![\w:])", str(text)))
+            names |= set(METRIC.findall(str(text)))
     return names
 
 
 def test_every_referenced_metric_is_documented() -> None:
-    documented = set(re.findall(r"`(gpu_[a-z0-9_]+)", METRICS_DOC.read_text()))
+    documented = set(re.findall(r"`((?:gpu|process)_[a-z0-9_]+)", METRICS_DOC.read_text()))
     referenced = _referenced_metrics()
-    assert "gpu_thermal_hotspot" in referenced  # the extraction works
+    assert {"gpu_thermal_hotspot", "process_open_fds"} <= referenced  # the extraction works
     missing = sorted(referenced - documented)
     assert not missing, f"metrics the rules use but docs/metrics.md does not list: {missing}"
 
@@ -187,3 +189,13 @@ def test_job_name_only_where_targets_are_found() -> None:
                 "GpuExporterMetricMissing",
                 "GpuMetricMissing",
             }, rule.get("alert", rule.get("record"))
+
+
+def test_process_metrics_only_of_the_agents() -> None:
+    # Every Python exporter has process_*: a rule on them keeps only the targets that export a
+    # gpu_exporter_* metric, whatever the job is called.
+    rules = [r for r in _rules() if re.search(r"(?<![\w:])process_", r["expr"])]
+    assert rules
+    for rule in rules:
+        expr = " ".join(rule["expr"].split())
+        assert re.search(r"\band on \(job, instance\) gpu_exporter_\w+$", expr), rule
