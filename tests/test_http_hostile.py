@@ -16,6 +16,7 @@ import select
 import shutil
 import socket
 import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -304,6 +305,22 @@ def test_an_over_long_head_is_refused_before_its_end():
     http.receive(head[:MAX_HEAD])
     with pytest.raises(HttpError, match="request head over"):
         http.next_request()
+
+
+@pytest.mark.parametrize("delivery", ["whole", "bytes"])
+def test_a_small_head_in_one_read_meets_the_same_limits(delivery):
+    """A head that arrives whole is taken without a line-by-line scan when it is small: the
+    header count and an earlier empty line still decide, as for a head read byte by byte."""
+    cut = by_bytes if delivery == "bytes" else (lambda data: [data])
+    headers = b"".join(b"X-%d: a\r\n" % i for i in range(99))
+    assert len(read_scripted(cut(b"GET / HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n")).headers)
+    with pytest.raises(HttpError, match="more than 100 headers"):
+        read_scripted(cut(b"GET / HTTP/1.1\r\nHost: x\r\nX-99: a\r\n" + headers + b"\r\n"))
+    for early_end in (b"\n\n", b"\n\r\n"):  # an empty line after a bare LF ends the head
+        pipelined = b"GET /a HTTP/1.0" + early_end + b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n"
+        with pytest.raises(HttpError, match="Expected CRLF after version") as refused:
+            read_scripted(cut(pipelined))
+        assert refused.value.status == 400
 
 
 def request_line_of(length: int) -> bytes:
@@ -792,3 +809,19 @@ def test_tls_errors_are_quiet(start, pki):
         tls.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
         assert not tls.recv(100).startswith(b"HTTP/")
     wait_for(lambda: server.httpd.connections == 0)
+
+
+def test_without_uvloop_the_server_runs_on_asyncios_loop(start, monkeypatch):
+    """uvloop is optional: where it is missing, asyncio's own loop serves alike."""
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` raises ImportError
+    loop = exporter.web.server.new_loop()
+    assert type(loop).__module__.startswith("asyncio")
+    loop.close()
+    server = start(Options(head_timeout=0.5))
+    pipelined = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 3
+    answer = exchange(server.port, pipelined)
+    assert answer.count(b"HTTP/1.1 200 OK") == 3 and answer.count(b"gpu_up{") >= 3
+    assert status_of(get(server.port, "/nope")) == 404
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\n")  # never finished: refused at the deadline
+        assert status_of(read_to_eof(sock)) == 408

@@ -382,20 +382,20 @@ def render_with_process(snapshot: Snapshot, stats: SelfStats) -> Exposition:
     )
 
 
+_AGE_HEAD = (
+    b"# HELP gpu_exporter_snapshot_age_seconds Seconds since the served Snapshot was taken.\n"
+    b"# TYPE gpu_exporter_snapshot_age_seconds gauge\n"
+)
+_STALE_HEAD = (
+    b"# HELP gpu_exporter_snapshot_stale 1 when the served Snapshot is older than allowed.\n"
+    b"# TYPE gpu_exporter_snapshot_stale gauge\n"
+)
+
+
 def render_liveness(age_seconds: float | None, stale: bool) -> bytes:
     """The lines that depend on when the scrape happens (the Snapshot's age)."""
-    lines = [
-        "# HELP gpu_exporter_snapshot_age_seconds Seconds since the served Snapshot was taken.",
-        "# TYPE gpu_exporter_snapshot_age_seconds gauge",
-    ]
-    if age_seconds is not None:
-        lines.append(f"gpu_exporter_snapshot_age_seconds {age_seconds:.6f}")
-    lines += [
-        "# HELP gpu_exporter_snapshot_stale 1 when the served Snapshot is older than allowed.",
-        "# TYPE gpu_exporter_snapshot_stale gauge",
-        f"gpu_exporter_snapshot_stale {1 if stale else 0}",
-    ]
-    return ("\n".join(lines) + "\n").encode()
+    age = b"" if age_seconds is None else b"gpu_exporter_snapshot_age_seconds %.6f\n" % age_seconds
+    return b"%s%s%sgpu_exporter_snapshot_stale %d\n" % (_AGE_HEAD, age, _STALE_HEAD, stale)
 
 
 _HTTP_HELP = (
@@ -417,6 +417,20 @@ _HTTP_HELP = (
 )
 
 
+def _http_heads(openmetrics: bool) -> tuple[tuple[str, str], ...]:
+    """Per family of ``_HTTP_HELP``: its HELP and TYPE lines, and its samples' name."""
+    heads = []
+    for name, kind, doc in _HTTP_HELP:
+        sample = name + "_total" if kind == "counter" else name
+        family = name if openmetrics else sample
+        heads.append((f"# HELP {family} {doc}\n# TYPE {family} {kind}\n", sample))
+    return tuple(heads)
+
+
+#: Made once: render_http runs for every scrape. By OpenMetrics or not.
+_HTTP_HEADS = {False: _http_heads(False), True: _http_heads(True)}
+
+
 def render_http(
     connections: int,
     rejected: int,
@@ -426,18 +440,18 @@ def render_http(
     """The HTTP server's ``gpu_exporter_http_*`` lines, as of the scrape: ``requests`` are
     (path, status code, count). Text format, or OpenMetrics (counters' HELP and TYPE name the
     family without ``_total``)."""
-    lines: list[str] = []
-    values = (
-        [("", connections)],
-        [("", rejected)],
-        [(f'{{code="{code}",path="{_label(path)}"}}', n) for path, code, n in requests],
+    (open_head, open_name), (rejected_head, rejected_name), (requests_head, requests_name) = (
+        _HTTP_HEADS[openmetrics]
     )
-    for (name, kind, doc), series in zip(_HTTP_HELP, values, strict=True):
-        sample = name + "_total" if kind == "counter" else name
-        family = name if openmetrics else sample
-        lines += [f"# HELP {family} {doc}", f"# TYPE {family} {kind}"]
-        lines += [f"{sample}{labels} {value}" for labels, value in series]
-    return ("\n".join(lines) + "\n").encode()
+    lines = [
+        f"{open_head}{open_name} {connections}\n{rejected_head}{rejected_name} {rejected}\n",
+        requests_head,
+    ]
+    lines += [
+        f'{requests_name}{{code="{code}",path="{_label(path)}"}} {n}\n'
+        for path, code, n in requests
+    ]
+    return "".join(lines).encode()
 
 
 def _label(value: str) -> str:

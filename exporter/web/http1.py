@@ -61,6 +61,8 @@ class HeadScanner:
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
+        #: A head no longer than this is within every size limit, whatever its lines.
+        self._small = min(limits.max_head, limits.max_request_line, limits.max_header_line)
         self.reset()
 
     def reset(self) -> None:
@@ -81,6 +83,9 @@ class HeadScanner:
             if start == len(data):
                 return start, -1
             self._started = True
+            end = self._small_head(data, start)
+            if end != -1:
+                return start, end
         pos = start
         limits = self.limits
         while True:
@@ -111,6 +116,19 @@ class HeadScanner:
                 if self._headers > limits.max_headers:
                     raise HttpError(431, f"more than {limits.max_headers} headers")
 
+    def _small_head(self, data: bytes, start: int) -> int:
+        """Where a whole head that arrived at once ends, when it is small enough to be within
+        every limit and has no bare line feed (a scrape's head, in one ``recv``); else -1, and
+        the line-by-line scan decides."""
+        end = data.find(b"\r\n\r\n", start)
+        if end == -1 or end + 4 - start > self._small:
+            return -1
+        if b"\n\n" in data[start : end + 2] or data.find(b"\n\r\n", start, end + 3) != -1:
+            return -1  # an empty line before it: the head ends earlier
+        if data.count(b"\n", start, end) > self.limits.max_headers:
+            return -1
+        return end + 4
+
     def _check_line(self, length: int) -> None:
         if self._in_request_line:
             if length > self.limits.max_request_line:
@@ -134,11 +152,16 @@ class Request:
 
 
 class _Parsed:
-    """httptools' callbacks for one request head."""
+    """httptools' callbacks for the request heads of one connection (llhttp starts a new
+    message after each complete one, so a keep-alive connection keeps its parser)."""
 
     def __init__(self) -> None:
-        self.request = Request()
         self.parser = httptools.HttpRequestParser(self)
+        self.begin()
+
+    def begin(self) -> None:
+        """Ready for the next head."""
+        self.request = Request()
         self.keep_alive = False
         self.complete = False  # the whole message arrived: there is no body
 
@@ -176,6 +199,7 @@ class Connection:
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self._scanner = HeadScanner(limits)
+        self._parsed = _Parsed()
         self._unscanned = b""  # bytes received and not yet scanned (a pipelined request)
         self._head: list[bytes] = []  # the current head's bytes so far
         self._started = False
@@ -221,7 +245,8 @@ class Connection:
         return self._parse(head)
 
     def _parse(self, head: bytes) -> Request:
-        parsed = _Parsed()
+        parsed = self._parsed
+        parsed.begin()
         upgrade = False
         try:
             parsed.parser.feed_data(head)
