@@ -20,7 +20,8 @@ from exporter.sampling.sampler import Sampler
 from exporter.web.auth import BasicAuth
 from exporter.web.routes import App, Server, serve
 from exporter.web.webconfig import WebConfig, load_web_config
-from tests.helpers import line_of, write
+from tests import agent
+from tests.helpers import line_of, until, write
 
 ALICE = bcrypt.hashpw(b"wonderland", bcrypt.gensalt(4)).decode()
 BOB = bcrypt.hashpw(b"builder", bcrypt.gensalt(4)).decode()
@@ -324,26 +325,6 @@ def test_relative_paths_are_relative_to_the_file(tmp_path, pki):
 # -- the command line -----------------------------------------------------------------------
 
 
-@pytest.fixture
-def guarded(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[object]]:
-    """``serve`` stops right after its checks; the web config it loaded is recorded."""
-    for name in (
-        "GPU_EXPORTER_CONFIG",
-        "GPU_EXPORTER_WEB_CONFIG_FILE",
-        "GPU_EXPORTER_TLS_CERT_FILE",
-    ):
-        monkeypatch.delenv(name, raising=False)
-    loaded: list[object] = []
-    real = exporter.cli._check_tls
-
-    def check(config):
-        loaded.append(real(config))
-        raise SystemExit(0)
-
-    monkeypatch.setattr(exporter.cli, "_check_tls", check)
-    yield loaded
-
-
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     try:
         code = exporter.cli.main(argv)
@@ -352,11 +333,23 @@ def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-def test_the_flag_loads_the_file(guarded, tmp_path, capsys):
+def test_the_flag_loads_the_file(tmp_path):
+    """``serve --web.config.file``: the agent it starts asks for the file's passwords."""
     path = write(tmp_path, USERS, "web.yml")
-    code, err = run(["serve", "--web.config.file", path], capsys)
-    assert (code, err) == (0, "")
-    assert isinstance(guarded[0], WebConfig) and set(guarded[0].users) == {"alice", "bob"}
+    with agent.serve(tmp_path, "--simulate", "--web.config.file", path) as (proc, port):
+        until(lambda: request_or_none(port), "the agent to listen")
+        status, headers, _ = request(port)
+        assert status == 401 and headers["www-authenticate"].startswith("Basic"), headers
+        status, _, body = request(port, headers=basic("alice", "wonderland"))
+        assert status == 200 and b"gpu_up{" in body, agent.stderr_of(proc)
+
+
+def request_or_none(port: int) -> tuple[int, dict[str, str], bytes] | None:
+    """:func:`request`, or None while nothing listens on ``port``."""
+    try:
+        return request(port)
+    except ConnectionRefusedError:
+        return None
 
 
 def test_an_unknown_key_exits_2_naming_file_and_line(tmp_path, capsys):
