@@ -7,11 +7,13 @@ Each command runs as a fresh process on the same simulated 8-GPU host: ``gpu-exp
 --simulate S``, ``status --simulate S`` and ``--version`` from the project's environment;
 ``nvisel -c 1`` from nvitop's (the virtual environment bench/benchmark.py makes, created on
 first use), with the same simulation installed in pynvml before nvitop is imported (nvitop calls
-pynvml itself; see bench/global_nvml.py). Wall time from fork to exit, median and minimum, and a
-bare ``python -c pass`` of each interpreter for reference. The repository's modules are compiled
-to bytecode first, as an installed package's are (pip compiles them; an editable checkout with
-PYTHONDONTWRITEBYTECODE set would compile every module on every start). Nothing is asserted:
-the table is for docs/benchmarks.md.
+pynvml itself; see bench/global_nvml.py). Wall time from fork to exit, median and minimum, the
+commands taking turns (one run of each per round), and for reference a bare ``python -c pass``
+and the simulation alone (import the driver, read the scenario, start and stop it) with each
+interpreter: a command's "own" time is its median less that floor. The repository's modules are
+compiled to bytecode first, as an installed package's are (pip compiles them; an editable
+checkout with PYTHONDONTWRITEBYTECODE set would compile every module on every start). Nothing is
+asserted: the table is for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -72,14 +74,18 @@ def scenario(folder: str) -> str:
     return path
 
 
-def timed(command: list[str], runs: int) -> tuple[float, float]:
-    """Median and minimum wall seconds of ``command`` (its output thrown away)."""
-    times = []
+def timed(commands: dict[str, list[str]], runs: int) -> dict[str, tuple[float, float]]:
+    """Median and minimum wall seconds of each command (output thrown away), run in rounds of
+    one run each, so that the machine's drift (a noisy VM) falls on every row alike."""
+    times: dict[str, list[float]] = {name: [] for name in commands}
     for _ in range(runs):
-        started = time.perf_counter()
-        subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times), min(times)
+        for name, command in commands.items():
+            started = time.perf_counter()
+            subprocess.run(
+                command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False
+            )
+            times[name].append(time.perf_counter() - started)
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 def nvitop_python() -> str:
@@ -119,7 +125,7 @@ def main() -> int:
                 ("simulation alone (nvitop)", [python, "-c", floor], None),
                 ("nvisel -c 1", [python, "-c", code], "simulation alone (nvitop)"),
             ]
-        results = {name: timed(command, args.runs) for name, command, _ in rows}
+        results = timed({name: command for name, command, _ in rows}, args.runs)
     print(f"{GPUS} simulated GPUs, {args.runs} runs each, wall time from fork to exit")
     print("own: the median less its interpreter's 'simulation alone' median (the part that is")
     print("the command's own, not the simulated driver's; on a real host NVML's start replaces it)")

@@ -12,7 +12,7 @@ test alike.
 from __future__ import annotations
 
 import logging
-import socket
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -271,7 +271,7 @@ class Nvml:
         )
         self._note_incomplete(host, errors)
         return HostInfo(
-            hostname=socket.gethostname(),
+            hostname=os.uname().nodename,
             driver_version=driver or "",
             cuda_version=cuda or "",
             nvml_version=nvml or "",

@@ -7,7 +7,7 @@ facts (read once per initialisation, and again when a failed GPU comes back).
 from __future__ import annotations
 
 import logging
-import socket
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -52,7 +52,7 @@ class Collector:
         self._backoff = backoff_initial
         self._next_init = 0.0
         self._nvml_error = ""
-        self._host = HostInfo(hostname=socket.gethostname())
+        self._host = HostInfo(hostname=os.uname().nodename)
         self._infos: dict[int, GpuInfo] = {}
         self._last_known: dict[int, GpuInfo] = {}  # identity for labels while a GPU is down
         self._count: int | None = None
