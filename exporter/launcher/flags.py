@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,19 +65,42 @@ class SubcommandParser(CommandParser):
     unknown flag itself, under its own short usage (not the top level's), and reads ``-5s`` as a
     value for the validators to refuse in one line naming the flag, not as an unknown flag."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # argparse takes an argument that starts with "-" for a flag unless it matches this
-        # (by default, a negative number only); a negative duration or size is a value too.
-        self._negative_number_matcher = re.compile(r"^-\.?[0-9]")
-
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
-        parsed, extras = super().parse_known_args(args, namespace)
+        args = sys.argv[1:] if args is None else args
+        parsed, extras = super().parse_known_args(self._negatives_glued(args), namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         return parsed, extras
+
+    def _negatives_glued(self, args: Sequence[str]) -> list[str]:
+        """``--wait -5s`` as ``--wait=-5s``: argparse takes an argument that starts with "-" for
+        a flag unless it is a negative number, and a negative duration or size is a value too.
+        Only the flags' part is looked at: it ends at ``--`` or the first positional argument
+        (``run``'s command)."""
+        out = list(args)
+        i = 0
+        while i < len(out) and out[i] != "--" and out[i].startswith("-"):
+            action = self.options.get(out[i])
+            following = out[i + 1] if i + 1 < len(out) else None
+            if action is None or following is None:
+                i += 1
+            elif action.nargs is None:  # exactly one value
+                if _NEGATIVE.match(following):
+                    out[i : i + 2] = [f"{out[i]}={following}"]
+                    i += 1
+                else:
+                    i += 2
+            elif action.nargs == "?" and not following.startswith("-"):  # --simulate FILE
+                i += 2
+            else:
+                i += 1
+        return out
+
+
+#: What reads as a negative value, not a flag: "-5s", "-1", "-.5".
+_NEGATIVE = re.compile(r"-\.?[0-9]")
 
 
 def _subcommand(
