@@ -1,22 +1,30 @@
 #!/usr/bin/env bash
 # Sets up .venv (if needed) and runs every test: lint, format, the import-layer contracts
 # (import-linter), the type check (mypy), then the whole pytest suite.
-# The end-to-end test needs Prometheus and Alertmanager: when they are missing, they are
-# installed from Debian's packages if this runs as root; otherwise that test is skipped and says why.
+# The end-to-end test needs Prometheus and Alertmanager, the HTTP benchmark's smoke test wrk and
+# nginx: when they are missing, they are installed from Debian's packages if this runs as root;
+# otherwise those tests are skipped and say why.
 # Tests marked `gpu` run only where a real NVIDIA driver answers; elsewhere they are skipped.
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python3}"
 
-if ! command -v prometheus >/dev/null || ! command -v prometheus-alertmanager >/dev/null; then
+missing=()
+for tool in prometheus:prometheus prometheus-alertmanager:prometheus-alertmanager wrk:wrk \
+    nginx:nginx-light; do
+    command -v "${tool%%:*}" >/dev/null || missing+=("${tool#*:}")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        echo "test.sh: installing prometheus and prometheus-alertmanager (Debian packages)"
+        echo "test.sh: installing ${missing[*]} (Debian packages)"
         export DEBIAN_FRONTEND=noninteractive
         apt-get update -qq >/dev/null || true
-        apt-get install -y -qq --no-install-recommends prometheus prometheus-alertmanager \
-            >/dev/null || echo "test.sh: could not install them; the end-to-end test will skip"
+        for package in "${missing[@]}"; do  # one by one: a package gone does not stop the rest
+            apt-get install -y -qq --no-install-recommends "$package" >/dev/null ||
+                echo "test.sh: could not install $package; the tests that need it will skip"
+        done
     else
-        echo "test.sh: prometheus/prometheus-alertmanager missing and not root: e2e test will skip"
+        echo "test.sh: ${missing[*]} missing and not root: the tests that need them will skip"
     fi
 fi
 
