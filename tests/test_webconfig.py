@@ -340,8 +340,9 @@ def test_the_flag_loads_the_file(tmp_path):
         until(lambda: request_or_none(port), "the agent to listen")
         status, headers, _ = request(port)
         assert status == 401 and headers["www-authenticate"].startswith("Basic"), headers
-        status, _, body = request(port, headers=basic("alice", "wonderland"))
-        assert status == 200 and b"gpu_up{" in body, agent.stderr_of(proc)
+        alice = basic("alice", "wonderland")
+        until(lambda: b"gpu_up{" in request(port, headers=alice)[2], "the first sample")
+        assert request(port, headers=alice)[0] == 200, agent.stderr_of(proc)
 
 
 def request_or_none(port: int) -> tuple[int, dict[str, str], bytes] | None:
