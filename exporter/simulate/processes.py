@@ -259,8 +259,8 @@ class ScenarioProcesses:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 pass_fds=held,
-                # as a job on a GPU host: its own session, never the agent's (which may lie
-                # outside the PID namespace, e.g. under ``docker exec``, and read as sid 0)
+                # as a job on a GPU host: its own session, never the agent's (which may read as
+                # sid 0: under an init that never calls setsid, or from outside its namespace)
                 start_new_session=True,
             )
         finally:
