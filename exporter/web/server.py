@@ -1,9 +1,10 @@
 """An HTTP/1.1 server for one WSGI app on one asyncio event loop, built to survive hostile clients.
 
-One thread runs the loop: it accepts, reads, parses and writes for every connection, with
-non-blocking sockets, so a slow client never stalls another one and no connection waits for the
-GIL to come back from another connection's thread. Request heads are parsed by llhttp
-(``exporter.web.http1``); a connection is an asyncio Protocol (``exporter.web.connection``).
+One thread runs the loop (uvloop's where installed, see :func:`new_loop`): it accepts, reads,
+parses and writes for every connection, with non-blocking sockets, so a slow client never stalls
+another one and no connection waits for the GIL to come back from another connection's thread.
+Request heads are parsed by llhttp (``exporter.web.http1``); a connection is an asyncio Protocol
+(``exporter.web.connection``).
 What may block runs off the loop: a request the app does not say it answers at once (its
 ``inline(environ)``; ``/snapshot``, ``/recommend``, a basic-auth check that needs bcrypt) goes to
 a few worker threads, and its connection waits for the answer without holding anyone else up.
