@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from exporter.core.snapshot import Gpu, GpuInfo
-from exporter.core.visible import check_well_formed, visible_uuids
-from tests.agent import clean_env, healthz_until, serve
+from exporter.core.visible import as_cuda_reads, check_well_formed, visible_uuids
+from tests.agent import clean_env, healthz_until, http_get, serve
 from tests.agent import exporter_cli as cli
 
 GPUS = [
@@ -112,6 +112,18 @@ def test_malformed_entries_are_named(entry):
     assert repr(entry) in str(raised.value)
 
 
+@pytest.mark.parametrize(
+    ("value", "sent"),
+    [("0, 1", "0, 1"), ("1,²,0", "1"), ("²,0", ""), ("GPU-aaab,foo", "GPU-aaab"), ("", "")],
+)
+def test_what_an_agent_is_asked_is_what_cuda_reads(value, sent):
+    read, note = as_cuda_reads(value)
+    assert read == sent
+    assert (note == "") == (read == value), note
+    if note:
+        assert note.startswith("CUDA_VISIBLE_DEVICES: ") and note.endswith("hides the rest")
+
+
 # -- the CLI ---------------------------------------------------------------------------------------
 
 TWO_GPUS = "gpus:\n  - {name: GPU A}\n  - {name: GPU B}\n"
@@ -159,22 +171,37 @@ def test_run_follows_cuda_rule(host, value, status):
         assert f"'²' {NO_FORM_NOTE}" in result.stderr and result.stdout == ""
 
 
-def test_recommend_from_an_agent_names_a_malformed_entry(host, tmp_path):
-    """The agent refuses a malformed ``visible`` (400), and the launcher says so: exit 1."""
+def test_the_launchers_read_it_as_cuda_does_when_an_agent_chooses(host, tmp_path):
+    """``--from``: the launcher sends what CUDA reads (up to a malformed entry) and notes the
+    rest, as without an agent; the agent's /recommend itself refuses a malformed entry (400)."""
     scenario, locks = host
     with serve(tmp_path, "--simulate", str(scenario), "--lock-dir", str(locks)) as (agent, port):
         healthz_until(agent, port)
         url = f"http://127.0.0.1:{port}"
-        env = clean_env(CUDA_VISIBLE_DEVICES="1,²")
-        result = cli("recommend", "--from", url, "--format", "index", env=env)
-        assert result.returncode == 1 and result.stdout == "" and "Traceback" not in result.stderr
-        assert f"HTTP 400: visible: '²' {NO_FORM_NOTE.split(';')[0]}" in result.stderr
-        good = cli(
-            "recommend",
+
+        def from_agent(command: str, value: str, *args: str):
+            env = clean_env(CUDA_VISIBLE_DEVICES=value)
+            return cli(command, "--from", url, *args, env=env)
+
+        result = from_agent("recommend", "1,²,0", "--format", "index")
+        assert result.returncode == 0 and result.stdout.strip() == "1", result.stderr
+        assert f"'²' {NO_FORM_NOTE}" in result.stderr and "Traceback" not in result.stderr
+        hidden = from_agent("recommend", "²,0")
+        assert hidden.returncode == NO_GPUS and hidden.stdout == "", hidden.stderr
+        good = from_agent("recommend", "1,-1,0", "--format", "index")
+        assert good.returncode == 0 and good.stdout.strip() == "1", good.stderr
+        job = ("--", "sh", "-c", 'echo "job: $GPU_EXPORTER_GPUS"')
+        run = cli(
+            "run",
+            "--simulate",
+            str(scenario),
+            "--lock-dir",
+            str(locks),
             "--from",
             url,
-            "--format",
-            "index",
-            env=clean_env(CUDA_VISIBLE_DEVICES="1,-1,0"),
+            *job,
+            env=clean_env(CUDA_VISIBLE_DEVICES="1,²"),
         )
-        assert good.returncode == 0 and good.stdout.strip() == "1", good.stderr
+        assert run.returncode == 0 and run.stdout == "job: 1\n", run.stderr
+        status, body = http_get(f"{url}/recommend?visible=1,%C2%B2")
+        assert status == 400 and f"visible: '²' {NO_FORM_NOTE.split(';')[0]}" in body

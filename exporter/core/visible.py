@@ -42,7 +42,7 @@ def visible_uuids(
         uuid = _resolve(entry, gpus, by_index)
         if uuid is None:
             if entry:
-                notes.append(f"CUDA_VISIBLE_DEVICES: {_why_not(entry)}; it hides the rest")
+                notes.append(_hides_the_rest(entry))
             break
         visible.setdefault(uuid, entry if entry.startswith("MIG-") else uuid)
     return visible, "; ".join(notes)
@@ -57,6 +57,22 @@ def check_well_formed(value: str) -> None:
     for entry in _entries(value):
         if not _WELL_FORMED.fullmatch(entry):
             raise ValueError(_why_not(entry))
+
+
+def as_cuda_reads(value: str) -> tuple[str, str]:
+    """``value`` up to its first entry in no form CUDA knows (CUDA stops reading there: what
+    follows is hidden), and a note naming that entry ("" when there is none). What to send an
+    agent, whose ``/recommend`` refuses such an entry, so that it chooses as CUDA would."""
+    parts = value.split(",")
+    for i, part in enumerate(parts):
+        entry = part.strip(_SPACE)
+        if not _WELL_FORMED.fullmatch(entry):
+            return ",".join(parts[:i]), _hides_the_rest(entry)
+    return value, ""
+
+
+def _hides_the_rest(entry: str) -> str:
+    return f"CUDA_VISIBLE_DEVICES: {_why_not(entry)}; it hides the rest"
 
 
 def _entries(value: str) -> list[str]:

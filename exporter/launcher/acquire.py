@@ -349,7 +349,10 @@ class _Search:
         shown = [g.uuid for g in latest.gpus if g.uuid and (visible is None or g.uuid in visible)]
         excluded = {**_reserved(latest), **self.failed, **_refused(self.unusable)}
         excluded = {uuid: why for uuid, why in excluded.items() if uuid in shown}
-        asked = ",".join(u for u in shown if u not in excluded) if excluded else self.visible_env
+        # the GPUs by UUID, as CUDA_VISIBLE_DEVICES was read here (by CUDA's rule: the agent's
+        # /recommend refuses a malformed entry), less those it may not know are taken
+        everyone = visible is None and not excluded
+        asked = None if everyone else ",".join(u for u in shown if u not in excluded)
         recommendation = with_reasons(advisor(asked), excluded)
         here = {g.uuid for g in latest.gpus}
         foreign = [c.uuid for c in recommendation.chosen if c.uuid not in here]

@@ -26,7 +26,7 @@ from exporter.config.validate import (
 )
 from exporter.core.locks import LockError, default_lock_dir, open_lock_dir
 from exporter.core.selection import Policy, Recommendation
-from exporter.core.visible import job_environment
+from exporter.core.visible import as_cuda_reads, job_environment
 from exporter.launcher.acquire import Advisor, Device, LocalGpus, acquire, choose
 from exporter.launcher.errors import (
     EXIT_FAILURE,
@@ -144,7 +144,10 @@ def cmd_recommend(args: argparse.Namespace, config: LauncherConfig) -> int:
     if args.source is not None:  # the agent knows its own policies: check the flags only
         _with_flags(Policy("flags"), args)
         ask = _advisor(args.source, args.policy, _overrides(args))
-        recommendation, note = ask(visible_env), ""
+        note = ""
+        if visible_env is not None:  # read as CUDA reads it, as a local recommend does
+            visible_env, note = as_cuda_reads(visible_env)
+        recommendation = ask(visible_env)
     else:
         policy = _policy(config, args)
         with LocalGpus(
