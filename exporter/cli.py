@@ -232,8 +232,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from exporter.actions.engine import ActionEngine
     from exporter.core.nvml import Nvml
     from exporter.core.procfs import ProcFs
+    from exporter.core.xid import XidLog
     from exporter.exposition.metrics import render_with_process
     from exporter.sampling.collect import Collector
+    from exporter.sampling.events import XidWatcher
     from exporter.sampling.sampler import Sampler
     from exporter.web.routes import App, serve
     from exporter.web.server import Options
@@ -255,12 +257,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with _simulation(config) as driver:
         procfs = ProcFs(config.proc_root)
         lock_dir = _agent_lock_dir(config)
+        nvml = Nvml(library=driver)
+        xids = XidWatcher(nvml, XidLog())
         collector = Collector(
-            Nvml(library=driver),
+            nvml,
             procfs,
             lock_dir=lock_dir,
             expose_cmdline=config.expose_cmdline,
             provision_locks=True,  # the agent makes each GPU's lock file its own
+            xids=xids,
         )
         sampler = Sampler(
             collector,
@@ -298,6 +303,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
             return EXIT_FAILURE
         sampler.start()
+        xids.start()
         engine.start()
         scheme = "https" if config.tls_cert_file or (web and web.ssl_context) else "http"
         log.info(
@@ -314,10 +320,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 reloaded = _reload(args, config, sampler, engine, waiting)
                 waiting = reloaded is None
                 config = reloaded or config
+        xids.request_stop()  # its wait ends meanwhile (within a second)
         server.close()
         engine.stop()
         if not sampler.stop(timeout=0.5):
             log.warning("a sample is still running (NVML hung?); exiting without waiting for it")
+        if not xids.stop(timeout=1.1):  # a wait lasts at most 1 s
+            log.warning("the XID thread is still waiting in NVML; exiting without it")
         collector.close(timeout=0.5)
     log.info("stopped")
     return EXIT_OK

@@ -68,7 +68,9 @@ def test_static_facts_are_read_once(simulated, collector):
         collector.sample()
     assert driver.calls["nvmlDeviceGetTemperatureThreshold"] == 2 * 4
     assert driver.calls["nvmlDeviceGetSerial"] == 2
-    assert driver.calls["nvmlDeviceGetPowerUsage"] == 2 * 5
+    # every field value in one call per GPU per sample, and the NVLink link count once
+    assert driver.calls["nvmlDeviceGetFieldValues"] == 2 * (5 + 1)
+    assert driver.calls["nvmlDeviceGetPowerUsage"] == 0  # the field answers: no fallback
 
 
 def test_no_driver_then_recovery_with_backoff(simulated, clock):

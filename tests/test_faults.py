@@ -34,6 +34,7 @@ import pytest
 
 from exporter.actions.engine import ActionBusy, ActionEngine, parse_actions
 from exporter.config.yamlconf import parse_document
+from exporter.core.fields import BY_KEY, FieldValue
 from exporter.core.nvml import Nvml
 from exporter.core.procfs import ProcFs
 from exporter.core.selection import Policy, recommend
@@ -57,11 +58,16 @@ from tests.test_reaper import (
 
 
 def _now_only(gpus: tuple[Gpu, ...]) -> tuple[Gpu, ...]:
-    """The GPUs without what depends on the samples before (how long a process has been idle)."""
+    """The GPUs without what depends on the samples before (how long a process has been idle)
+    or on the host's clock (when the slow readings were read)."""
     return tuple(
-        replace(g, processes=tuple(replace(p, gpu_idle_seconds=None) for p in g.processes))
-        if g.processes is not None
-        else g
+        replace(
+            g,
+            slow_read_at=None,
+            processes=tuple(replace(p, gpu_idle_seconds=None) for p in g.processes)
+            if g.processes is not None
+            else None,
+        )
         for g in gpus
     )
 
@@ -136,6 +142,14 @@ gpus:
       sm: {from: 310, to: 1800, over: 2000s}
     ecc: {corrected: {from: 1, to: 900, over: 2000s}, uncorrected: {from: 1, to: 50, over: 2000s}}
     performance_state: 2
+    fields:
+      pcie_transmit_bytes: {from: 0, to: 9e12, over: 2000s}
+      clock_event_seconds_sw_power_cap: {from: 0, to: 900, over: 2000s}
+      remapped_rows_correctable: {from: 0, to: 3, over: 2000s}
+    nvlink:
+      links: 4
+      down: [{link: 2, from: 100s, until: 200s}]
+      per_link: {1: {nvlink_errors_replay: {from: 0, to: 400, over: 2000s}}}
     processes:
       - {pid: self, memory: {from: 1MiB, to: 5GiB, over: 2000s}}
       - {pid: self, memory: 3MiB, type: graphics}
@@ -148,6 +162,17 @@ gpus:
     utilization: {from: 0.9, to: 0.1, over: 2000s}
     ecc: {enabled: false}
 """
+
+
+#: The return codes a field-value entry of its own gets from Chaos.
+ENTRY_ERRORS = (
+    pynvml.NVML_ERROR_NOT_SUPPORTED,
+    pynvml.NVML_ERROR_NO_PERMISSION,
+    pynvml.NVML_ERROR_TIMEOUT,
+    pynvml.NVML_ERROR_GPU_IS_LOST,
+    pynvml.NVML_ERROR_INVALID_ARGUMENT,
+    pynvml.NVML_ERROR_UNKNOWN,
+)
 
 
 class Chaos:
@@ -164,10 +189,23 @@ class Chaos:
         self.called: list[str] = []
         #: function ("*": any) -> the error its next call raises, whatever the rate
         self.forced: dict[str, str] = {}
+        self.entry_errors: Counter[str] = Counter()
 
     def install(self, driver: SimulatedDriver) -> None:
         for name in driver.function_names:
             setattr(driver, name, self._wrap(name, getattr(driver, name)))
+
+    def _spoil_entries(self, gpu: Any, values: Any) -> Any:
+        """Give some entries of a field-value answer an error of their own (the call itself
+        succeeded, as NVML's does when only some fields fail)."""
+        for item in values:
+            if self.rng.random() < self.rate:
+                code = self.rng.choice(ENTRY_ERRORS)
+                item.nvmlReturn = code
+                name = type(pynvml.NVMLError(code)).__name__
+                self.failed.append((f"entry:{item.fieldId}@{item.scopeId}", gpu, name))
+                self.entry_errors[name] += 1
+        return values
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -182,7 +220,10 @@ class Chaos:
                     )
                     self.raised[error.__name__] += 1
                     raise error()
-            return fn(*args, **kwargs)
+            answer = fn(*args, **kwargs)
+            if self.on and name == "nvmlDeviceGetFieldValues":
+                return self._spoil_entries(getattr(args[0], "index", None), answer)
+            return answer
 
         call.__module__ = fn.__module__
         return call
@@ -196,7 +237,8 @@ class Chaos:
             self.on = False
 
 
-#: Gpu attribute -> the scenario field (simulate.FIELD_FUNCTIONS) and Nvml field names behind it.
+#: Gpu attribute -> the scenario field (simulate.FIELD_FUNCTIONS) and Nvml field names behind it
+#: (the readings of core.fields, power and energy among them: _check_readings).
 DYNAMIC: dict[str, tuple[str, tuple[str, ...]]] = {
     "memory_used_bytes": ("memory", ("memory",)),
     "memory_free_bytes": ("memory", ("memory",)),
@@ -204,9 +246,6 @@ DYNAMIC: dict[str, tuple[str, tuple[str, ...]]] = {
     "utilization_ratio": ("utilization", ("utilization",)),
     "memory_utilization_ratio": ("utilization", ("utilization",)),
     "temperature_celsius": ("temperature", ("temperature",)),
-    "memory_temperature_celsius": ("memory_temperature", ("memory_temperature",)),
-    "power_watts": ("power", ("power",)),
-    "energy_joules": ("energy", ("energy",)),
     "fan_speed_ratio": ("fan_speed", ("fan_speed",)),
     "performance_state": ("performance_state", ("performance_state",)),
     "clock_event_reasons": ("clock_event_reasons", ("clock_event_reasons",)),
@@ -269,14 +308,12 @@ def _check_gpu(chaos: Chaos, nvml: Nvml, got: Gpu, want: Gpu) -> None:
             assert _failed_now(chaos, i, field) or _remembered(nvml, i, field, names), (i, attr)
         else:
             assert value == expected, (i, attr, value, expected, chaos.failed)
-    for attr, field, prefix in (("clocks_hz", "clocks", "clock_"), ("ecc_errors", "ecc", "ecc_")):
-        value, expected = dict(getattr(got, attr)), dict(getattr(want, attr))
-        for key in expected.keys() - value.keys():
-            explained = _failed_now(chaos, i, field) or (
-                field == "ecc" and not got.info.ecc_enabled
-            )
-            assert explained or _remembered(nvml, i, field, (f"{prefix}{key}",)), (i, attr, key)
-        assert {k: expected[k] for k in value} == value, (i, attr, value, expected)
+    value, expected = dict(got.clocks_hz), dict(want.clocks_hz)
+    for key in expected.keys() - value.keys():
+        explained = _failed_now(chaos, i, "clocks")
+        assert explained or _remembered(nvml, i, "clocks", (f"clock_{key}",)), (i, key)
+    assert {k: expected[k] for k in value} == value, (i, value, expected)
+    _check_readings(chaos, nvml, got, want)
     for attr, (field, names) in STATIC.items():
         value, expected = getattr(got.info, attr), getattr(want.info, attr)
         if value != expected:
@@ -287,6 +324,43 @@ def _check_gpu(chaos: Chaos, nvml: Nvml, got: Gpu, want: Gpu) -> None:
     for key in expected.keys() - value.keys():
         assert i in nvml.incomplete or _remembered(nvml, i, "thresholds", (f"threshold_{key}",))
     assert (got.info.uuid, got.info.name) == (want.info.uuid, want.info.name)
+
+
+def _reading_failed(chaos: Chaos, nvml: Nvml, gpu: Gpu, key: str, link: int | None) -> bool:
+    """Whether a reading of ``core.fields`` that ``gpu`` lacks is explained: its function (or
+    the one field-value call) failed now, its own entry did, or a gap is remembered."""
+    reading = BY_KEY[key]
+    i = gpu.index
+    name = key if link is None else f"{key}@{link}"
+    if reading.requires_ecc and not gpu.info.ecc_enabled:
+        return True
+    if link is not None and link >= gpu.info.nvlink_links:  # the link count failed to read
+        return i in nvml.incomplete or _remembered(nvml, i, "field_values", ("nvlink_links",))
+    names = (name, "field_values", *FIELD_FUNCTIONS[key])  # a function reading: by function
+    if _failed_now(chaos, i, key) or _remembered(nvml, i, key, names):
+        return True
+    ids = {reading.field_id(link)} if isinstance(reading.source, FieldValue) else set()
+    return any(
+        fn.startswith("entry:") and int(fn[6:].partition("@")[0]) in ids and g == i
+        for fn, g, _ in chaos.failed
+    )
+
+
+def _check_readings(chaos: Chaos, nvml: Nvml, got: Gpu, want: Gpu) -> None:
+    """Every reading of ``core.fields`` (per GPU and per link) right or explained absent."""
+    for key, expected in want.fields.items():
+        if key not in got.fields:
+            assert _reading_failed(chaos, nvml, got, key, None), (got.index, key)
+        else:
+            assert got.fields[key] == expected, (got.index, key, got.fields[key], expected)
+    for link, values in want.nvlink.items():
+        for key, expected in values.items():
+            value = got.nvlink.get(link, {}).get(key)
+            if value is None:
+                assert _reading_failed(chaos, nvml, got, key, link), (got.index, link, key)
+            else:
+                assert value == expected, (got.index, link, key, value, expected)
+    assert got.fields.keys() <= want.fields.keys()
 
 
 def _check_exposition(got: Snapshot, want: Snapshot) -> None:
@@ -324,8 +398,14 @@ def test_random_errors_of_every_class_never_crash_nor_export_a_wrong_value(simul
     driver = simulated(CHANGING)
     chaos = Chaos(rate=0.03, seed=7)
     chaos.install(driver)
-    faulty = Collector(Nvml(library=driver), ProcFs(), monotonic=clock, clock=lambda: clock.now)
-    clean = Collector(Nvml(library=driver), ProcFs(), monotonic=clock, clock=lambda: clock.now)
+    # slow readings at every sample: a faulty read retried later would compare with another
+    # moment's clean one (the slow cadence has tests of its own, in test_fields.py)
+    faulty = Collector(
+        Nvml(library=driver, slow_seconds=0), ProcFs(), monotonic=clock, clock=lambda: clock.now
+    )
+    clean = Collector(
+        Nvml(library=driver, slow_seconds=0), ProcFs(), monotonic=clock, clock=lambda: clock.now
+    )
     seen = Counter()
     try:
         for _ in range(400):
@@ -354,6 +434,7 @@ def test_random_errors_of_every_class_never_crash_nor_export_a_wrong_value(simul
                         or any(key.startswith("nvmlSystem") for key in faulty.nvml.missing())
                     )
         assert set(chaos.raised) == {cls.__name__ for cls in ERROR_CLASSES}  # every class
+        assert len(chaos.entry_errors) == len(ENTRY_ERRORS)  # and every entry error
         assert seen["nvml down"] and seen["gpu down"] and seen["gpu up"] > 600
         # The faults end; NVML is lost once more (what forgets remembered gaps): all comes back.
         chaos.rate = 0
@@ -403,7 +484,8 @@ def test_static_facts_a_transient_error_left_out_are_read_again_with_backoff(
         assert collector.sample().gpus[0].info.minor_number is None
         reads.append(driver.calls["nvmlDeviceGetMinorNumber"] - before)
     assert reads == [1, 0, 1, 0, 0, 0, 1, 0]
-    assert driver.calls["nvmlDeviceGetPowerUsage"] == 9  # dynamic fields: every sample
+    # dynamic fields: every sample; the NVLink link count with each read of the static facts
+    assert driver.calls["nvmlDeviceGetFieldValues"] == 9 + 1 + 3
 
 
 def test_a_mig_device_that_failed_to_read_is_read_again(simulated, collector, clock):
@@ -439,7 +521,10 @@ def test_a_failed_process_list_is_absent_not_short(simulated, collector):
 
 @pytest.mark.parametrize(
     ("function", "error"),
-    [("nvmlDeviceGetMemoryInfo", "FunctionNotFound"), ("nvmlDeviceGetPowerUsage", "NotSupported")],
+    [
+        ("nvmlDeviceGetMemoryInfo", "FunctionNotFound"),
+        ("nvmlDeviceGetFieldValues", "NotSupported"),
+    ],
 )
 def test_a_call_that_answered_is_not_remembered_missing_or_unsupported(
     simulated, collector, clock, function, error

@@ -7,6 +7,7 @@ import os
 import pynvml
 import pytest
 
+from exporter.core.fields import BY_KEY, NVLINK_LINK_COUNT
 from exporter.core.nvml import GpuFailed, Nvml, NvmlUnavailable, sm_peaks
 
 ONE_GPU = """
@@ -30,6 +31,25 @@ gpus:
         memory: 1GiB
         type: graphics
 """
+
+
+MEMORY_TEMP = BY_KEY["memory_temperature"].field_id(None)
+
+
+def _field_requests(driver) -> list[list[int]]:
+    """The field ids of each ``nvmlDeviceGetFieldValues`` call made on ``driver`` from now on
+    (the static NVLink link count read left out)."""
+    requested: list[list[int]] = []
+    real = driver.nvmlDeviceGetFieldValues
+
+    def recording(handle, ids):
+        plain = [i if isinstance(i, int) else i[0] for i in ids]
+        if plain != [NVLINK_LINK_COUNT]:
+            requested.append(plain)
+        return real(handle, ids)
+
+    driver.nvmlDeviceGetFieldValues = recording
+    return requested
 
 
 def _read(nvml: Nvml, index: int = 0):
@@ -128,6 +148,7 @@ def test_unsupported_field_is_absent_and_not_retried(simulated):
             "power_limit: 700\n    unsupported: [fan_speed, memory_temperature, ecc, serial]",
         )
     )
+    requested = _field_requests(driver)
     nvml = Nvml(library=driver)
     nvml.init()
     info, first = _read(nvml)
@@ -141,7 +162,8 @@ def test_unsupported_field_is_absent_and_not_retried(simulated):
     assert info.ecc_enabled is None
     assert dict(first.gpu.ecc_errors) == {}
     assert driver.calls["nvmlDeviceGetFanSpeed"] == 1
-    assert driver.calls["nvmlDeviceGetFieldValues"] == 1
+    # the memory temperature's entry was asked for once: later calls leave it out
+    assert [MEMORY_TEMP in ids for ids in requested] == [True, False, False, False]
 
 
 def test_transient_field_error_is_reported_and_retried(simulated, clock):
@@ -157,7 +179,8 @@ def test_transient_field_error_is_reported_and_retried(simulated, clock):
     reading = nvml.read_gpu(info)
     assert reading.gpu.power_watts == 300.0
     assert reading.errors == []
-    assert driver.calls["nvmlDeviceGetPowerUsage"] == 2
+    # the field's own entry failed, not the call: no fallback, and the other fields answered
+    assert driver.calls["nvmlDeviceGetPowerUsage"] == 0
 
 
 @pytest.mark.parametrize("error", ["GpuIsLost", "Unknown", "ResetRequired"])

@@ -11,6 +11,7 @@ test alike.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -21,6 +22,8 @@ from typing import Any, NamedTuple
 
 import pynvml
 
+from exporter.core import fields as readings
+from exporter.core.fields import FIELD_READINGS, FUNCTION_READINGS, Function, Reading
 from exporter.core.snapshot import Gpu, GpuInfo, HostInfo, SampleError, frozen_map
 
 log = logging.getLogger(__name__)
@@ -44,8 +47,16 @@ _THRESHOLDS = (
 )
 _CLOCKS = (("graphics", 0), ("sm", 1), ("memory", 2), ("video", 3))
 _PSTATE_UNKNOWN = 32
-_NVML_FI_DEV_MEMORY_TEMP = 82
+#: ``c_nvmlValue_t``'s members by ``valueType`` (``usVal``: nvidia-ml-py 13 and newer).
 _VALUE_FIELDS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+#: A field's own return code that means "this GPU or driver has no such field": NotSupported,
+#: NoPermission, and InvalidArgument (what drivers older than the field answer for its id).
+_FIELD_UNSUPPORTED = _UNSUPPORTED | {"InvalidArgument", "FunctionNotFound"}
+#: Clocks read on the slow cadence (``core.fields.SLOW_SECONDS``): they move with the
+#: performance state or the media engines, not from one second to the next.
+_SLOW_CLOCKS = frozenset({"memory", "video"})
+#: ``nvmlEventData_t.gpuInstanceId`` when the event is not of one MIG instance.
+_NO_INSTANCE = 0xFFFFFFFF
 #: What an NVML ``NotFound`` answer is, for calls that do not give it a meaning of their own.
 _NOT_FOUND_IS_ERROR: Any = object()
 #: Per-process utilization is read last in a GPU's sample, after every other call on the GPU has
@@ -53,6 +64,8 @@ _NOT_FOUND_IS_ERROR: Any = object()
 _PROCESS_UTILIZATION_FATAL = _GPU_FATAL - {"Unknown"}
 #: How far ahead of the host's clock a remembered sample timestamp may be before it is distrusted.
 _CLOCK_SLACK_SECONDS = 1.0
+#: The longest event wait ``wait_event`` allows, seconds (shutdown waits for one to end).
+_EVENT_WAIT_MAX = 1.0
 
 
 def error_name(exc: BaseException) -> str:
@@ -112,6 +125,23 @@ class NvmlProcess(NamedTuple):
     sm_utilization_ratio: float | None = None
 
 
+class XidArrival(NamedTuple):
+    """One XID event as NVML delivered it."""
+
+    uuid: str  # of the GPU it came from ("" when that could not be told)
+    xid: int
+    gpu_instance: int | None
+    compute_instance: int | None
+
+
+class EventsUnavailable(Exception):
+    """NVML's event API failed (not supported, NVML down, a GPU without a handle)."""
+
+    def __init__(self, error: str, message: str) -> None:
+        super().__init__(message)
+        self.error = error
+
+
 @dataclass
 class GpuReading:
     """One GPU's dynamic fields from one sample, before procfs enrichment."""
@@ -138,8 +168,16 @@ class Nvml:
     classes); None for pynvml itself.
     """
 
-    def __init__(self, *, library: Any = None, wall: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        *,
+        library: Any = None,
+        wall: Callable[[], float] = time.time,
+        slow_seconds: float = readings.SLOW_SECONDS,
+    ) -> None:
         self._lib = pynvml if library is None else library
+        #: How often the slow-cadence readings are read (0: at every sample).
+        self.slow_seconds = slow_seconds
         #: The host's clock (seconds since the epoch), which NVML's sample timestamps also use.
         self._wall = wall
         self._lock = threading.Lock()
@@ -157,6 +195,15 @@ class Nvml:
         self.incomplete: set[int] = set()
         #: GPU UUID -> the newest per-process utilization sample seen (NVML timestamp, µs).
         self._utilization_seen: dict[str, int] = {}
+        #: GPU index -> (monotonic time, wall time, values) of its last slow-cadence read.
+        self._slow: dict[int, tuple[float, float, dict[str, float]]] = {}
+        #: NVML initialisations so far: event sets and handles of an older one are invalid.
+        self.generation = 0
+        #: Held while a thread waits for an NVML event (never under ``_lock``, which would
+        #: stall sampling for the whole wait); shutdown waits for the wait to end.
+        self._event_lock = threading.Lock()
+        #: Event device address -> GPU UUID (an event names its GPU by handle).
+        self._event_devices: dict[int, str] = {}
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -241,11 +288,14 @@ class Nvml:
         self._supported.clear()
         self.incomplete.clear()
         self._utilization_seen.clear()
+        self._slow.clear()
+        self._event_devices.clear()
         try:
             self.call("nvmlInit")
         except Exception as exc:
             raise NvmlUnavailable(error_name(exc), describe(exc)) from exc
         self.initialized = True
+        self.generation += 1
         try:
             return self.read_host()
         except NvmlUnavailable:  # lost again at once: not half initialised
@@ -278,11 +328,18 @@ class Nvml:
         )
 
     def shutdown(self, timeout: float = 1.0) -> bool:
-        """Shut NVML down cleanly; False when a hung call holds the lock past ``timeout``."""
+        """Shut NVML down cleanly; False when a hung call holds the lock past ``timeout``.
+
+        An event wait in progress (at most ``wait_event``'s timeout) ends first: stop the
+        thread that waits before, so that this does not wait for it."""
         if not self.initialized:
             return True
         self.initialized = False
         self._handles.clear()
+        if not self._event_lock.acquire(timeout=timeout):
+            log.warning("an NVML event wait is still running; not calling nvmlShutdown")
+            return False
+        self._event_lock.release()
         if not self._lock.acquire(timeout=timeout):
             log.warning("an NVML call is still running; not calling nvmlShutdown")
             return False
@@ -329,6 +386,7 @@ class Nvml:
         """Static facts of GPU ``index`` (read once per initialisation); raises GpuFailed."""
         self._unsupported = {key for key in self._unsupported if key[0] != index}
         self._supported = {key for key in self._supported if key[0] != index}
+        self._slow.pop(index, None)
         handle = self._required("nvmlDeviceGetHandleByIndex", index)
         self._handles[index] = handle
         uuid = _text(self._required("nvmlDeviceGetUUID", handle))
@@ -364,6 +422,18 @@ class Nvml:
         )
         name = _text(self._required("nvmlDeviceGetName", handle))
         mig_uuids = self._read_mig(index, handle, errors)
+        static = self._read_functions(index, handle, errors, "static")
+        links = self._read(
+            index,
+            "nvlink_links",
+            errors,
+            Call(
+                "nvmlDeviceGetFieldValues",
+                (handle, [readings.NVLINK_LINK_COUNT]),
+                convert=self._field_value,
+                key="nvmlDeviceGetFieldValues",
+            ),
+        )
         self._note_incomplete(index, errors)
         return GpuInfo(
             index=index,
@@ -377,6 +447,8 @@ class Nvml:
             power_limit_watts=power_limit / 1000.0 if power_limit is not None else None,
             ecc_enabled=bool(ecc[0]) if ecc is not None else None,
             mig_uuids=mig_uuids,
+            fields=frozen_map(static),
+            nvlink_links=int(links) if links else 0,
         )
 
     def _read_mig(self, index: int, handle: Any, errors: list[SampleError]) -> tuple[str, ...]:
@@ -415,8 +487,10 @@ class Nvml:
             )
         return self._read(index, "memory", errors, *calls)
 
-    def read_gpu(self, info: GpuInfo) -> GpuReading:
-        """Dynamic fields and NVML's process list of one GPU; raises GpuFailed/NvmlUnavailable."""
+    def read_gpu(self, info: GpuInfo, now: float | None = None) -> GpuReading:
+        """Dynamic fields and NVML's process list of one GPU; raises GpuFailed/NvmlUnavailable.
+
+        ``now`` (monotonic seconds) decides whether the slow-cadence readings are due."""
         index = info.index
         handle = self._handles.get(index)
         if handle is None:
@@ -434,38 +508,26 @@ class Nvml:
             Call("nvmlDeviceGetTemperatureV", (handle, sensor)),
             Call("nvmlDeviceGetTemperature", (handle, sensor)),
         )
-        memory_temperature = read(
-            "memory_temperature",
-            Call(
-                "nvmlDeviceGetFieldValues",
-                (handle, [self._const("NVML_FI_DEV_MEMORY_TEMP", _NVML_FI_DEV_MEMORY_TEMP)]),
-                convert=self._field_value,
-            ),
-        )
-        power = read("power", Call("nvmlDeviceGetPowerUsage", (handle,)))
-        energy = read("energy", Call("nvmlDeviceGetTotalEnergyConsumption", (handle,)))
-        fan = read("fan_speed", Call("nvmlDeviceGetFanSpeed", (handle,)))
+        values, links = self._read_field_values(info, handle, errors)
+        values.update(self._read_functions(index, handle, errors, "sample"))
         clocks = {}
         for name, clock_type in _CLOCKS:
+            if name in _SLOW_CLOCKS:
+                continue
             value = read(f"clock_{name}", Call("nvmlDeviceGetClockInfo", (handle, clock_type)))
             if value is not None:
                 clocks[name] = float(value) * 1e6
+        slow_at, slow = self._read_slow(
+            index, handle, errors, time.monotonic() if now is None else now
+        )
+        values.update((k, v) for k, v in slow.items() if k in readings.BY_KEY)
+        clocks.update((k[len("clock_") :], v) for k, v in slow.items() if k.startswith("clock_"))
         pstate = read("performance_state", Call("nvmlDeviceGetPerformanceState", (handle,)))
         reasons = read(
             "clock_event_reasons",
             Call("nvmlDeviceGetCurrentClocksEventReasons", (handle,)),
             Call("nvmlDeviceGetCurrentClocksThrottleReasons", (handle,)),
         )
-        ecc = {}
-        if info.ecc_enabled:
-            volatile = self._const("NVML_VOLATILE_ECC", 0)
-            for name, error_type in (("corrected", 0), ("uncorrected", 1)):
-                value = read(
-                    f"ecc_{name}",
-                    Call("nvmlDeviceGetTotalEccErrors", (handle, error_type, volatile)),
-                )
-                if value is not None:
-                    ecc[name] = int(value)
         processes = self._read_processes(index, handle, errors)
         if processes:
             processes = self._with_utilization(info, handle, processes, errors)
@@ -480,20 +542,227 @@ class Nvml:
             utilization_ratio=util.gpu / 100.0 if util is not None else None,
             memory_utilization_ratio=util.memory / 100.0 if util is not None else None,
             temperature_celsius=float(temperature) if temperature is not None else None,
-            memory_temperature_celsius=(
-                float(memory_temperature) if memory_temperature is not None else None
-            ),
-            power_watts=power / 1000.0 if power is not None else None,
-            energy_joules=energy / 1000.0 if energy is not None else None,
-            fan_speed_ratio=fan / 100.0 if fan is not None else None,
-            clocks_hz=frozen_map(clocks),
+            fan_speed_ratio=slow.get("fan_speed"),
+            clocks_hz=frozen_map({name: clocks[name] for name, _ in _CLOCKS if name in clocks}),
             performance_state=(
                 int(pstate) if pstate is not None and pstate != _PSTATE_UNKNOWN else None
             ),
             clock_event_reasons=int(reasons) if reasons is not None else None,
-            ecc_errors=frozen_map(ecc),
+            fields=frozen_map(values),
+            nvlink=frozen_map({link: frozen_map(v) for link, v in sorted(links.items()) if v}),
+            slow_read_at=slow_at,
         )
         return GpuReading(gpu, processes, errors)
+
+    # -- readings declared in core.fields -----------------------------------------------------
+
+    def _read_field_values(
+        self, info: GpuInfo, handle: Any, errors: list[SampleError]
+    ) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
+        """Every field-value reading of the GPU in one ``nvmlDeviceGetFieldValues`` call, each
+        entry with its own return code; then the fallbacks of the unsupported ones."""
+        index = info.index
+        wanted = self._field_requests(info)
+        values: dict[str, float] = {}
+        links: dict[int, dict[str, float]] = {}
+        answer = None
+        if wanted:
+            answer = self._read(
+                index,
+                "field_values",
+                errors,
+                Call("nvmlDeviceGetFieldValues", (handle, [request for _, _, request in wanted])),
+            )
+        if answer is not None:
+            for (reading, link, _), item in zip(wanted, answer, strict=False):
+                name = reading.key if link is None else f"{reading.key}@{link}"
+                value = self._field_entry(index, name, item, errors)
+                if value is None:
+                    continue
+                if reading.equals is not None:
+                    value = 1.0 if value == reading.equals else 0.0
+                value *= reading.scale
+                if link is None:
+                    values[reading.key] = value
+                else:
+                    links.setdefault(link, {})[reading.key] = value
+        for reading in FIELD_READINGS:
+            fallback = reading.fallback
+            unsupported = (index, reading.key) in self._unsupported or (
+                index,
+                "field_values",
+            ) in self._unsupported
+            if fallback is not None and unsupported:
+                value = self._read(index, fallback.name, errors, Call(fallback.name, (handle,)))
+                if value is not None:
+                    values[reading.key] = _item(value, fallback.item) * reading.scale
+        return values, links
+
+    def _field_requests(self, info: GpuInfo) -> list[tuple[Reading, int | None, Any]]:
+        """(reading, link, request) of each field value to ask the GPU for: an id, or an
+        (id, link) pair for a field scoped by link; remembered gaps left out."""
+        index = info.index
+        gaps = self._unsupported
+        wanted: list[tuple[Reading, int | None, Any]] = []
+        for reading in FIELD_READINGS:
+            if reading.requires_ecc and not info.ecc_enabled:
+                continue
+            if not reading.per_link:
+                if (index, reading.key) not in gaps:
+                    wanted.append((reading, None, reading.field_id(None)))
+                continue
+            for link in range(info.nvlink_links):
+                field_id = reading.field_id(link)
+                if field_id is None or (index, f"{reading.key}@{link}") in gaps:
+                    continue
+                wanted.append((reading, link, field_id if reading.link_ids else (field_id, link)))
+        return wanted
+
+    def _field_entry(
+        self, index: int, name: str, item: Any, errors: list[SampleError]
+    ) -> float | None:
+        """The value of one entry of a field-value answer; None (remembered, or counted as an
+        error of this sample) when the entry has an error of its own."""
+        if item.nvmlReturn == 0:
+            kind = int(item.valueType)
+            if 0 <= kind < len(_VALUE_FIELDS) and hasattr(item.value, _VALUE_FIELDS[kind]):
+                self._supported.add((index, name))
+                return float(getattr(item.value, _VALUE_FIELDS[kind]))
+            exc: BaseException = ValueError(f"unknown value type {kind}")
+        else:
+            exc = self._lib.NVMLError(item.nvmlReturn)
+        error = error_name(exc)
+        if error in _FIELD_UNSUPPORTED and (index, name) not in self._supported:
+            self._unsupported.add((index, name))
+            log.debug("GPU %d: field %s not supported (%s)", index, name, error)
+        else:
+            errors.append(SampleError("field", error, index, name, describe(exc)))
+        return None
+
+    def _read_functions(
+        self, index: int, handle: Any, errors: list[SampleError], cadence: str
+    ) -> dict[str, float]:
+        """The function readings of ``cadence``: each function called once, however many
+        readings share its answer."""
+        values: dict[str, float] = {}
+        answers: dict[str, Any] = {}
+        for reading in FUNCTION_READINGS:
+            if reading.cadence != cadence:
+                continue
+            source = reading.source
+            assert isinstance(source, Function)
+            if source.name not in answers:
+                answers[source.name] = self._read(
+                    index, source.name, errors, Call(source.name, (handle,))
+                )
+            answer = answers[source.name]
+            if answer is not None:
+                values[reading.key] = _item(answer, source.item) * reading.scale
+        return values
+
+    def _read_slow(
+        self, index: int, handle: Any, errors: list[SampleError], now: float
+    ) -> tuple[float | None, dict[str, float]]:
+        """The slow-cadence readings (and the fan, memory and video clocks): read again when
+        ``slow_seconds`` have passed since the last complete read, else the last values.
+        Returns when they were read (wall clock) and the values."""
+        last = self._slow.get(index)
+        if last is not None and now - last[0] < self.slow_seconds - 1e-6:
+            return last[1], last[2]
+        failed_before = len(errors)
+        values = self._read_functions(index, handle, errors, "slow")
+        fan = self._read(index, "fan_speed", errors, Call("nvmlDeviceGetFanSpeed", (handle,)))
+        if fan is not None:
+            values["fan_speed"] = fan / 100.0
+        for name, clock_type in _CLOCKS:
+            if name in _SLOW_CLOCKS:
+                value = self._read(
+                    index,
+                    f"clock_{name}",
+                    errors,
+                    Call("nvmlDeviceGetClockInfo", (handle, clock_type)),
+                )
+                if value is not None:
+                    values[f"clock_{name}"] = float(value) * 1e6
+        wall = self._wall()
+        if len(errors) == failed_before:
+            self._slow[index] = (now, wall, values)
+        else:  # what failed is absent now, as any failed field, and all is read again next time
+            self._slow.pop(index, None)
+        return wall, values
+
+    # -- XID events ---------------------------------------------------------------------------
+
+    def create_event_set(self) -> Any:
+        """A new NVML event set; raises EventsUnavailable."""
+        try:
+            return self.call("nvmlEventSetCreate")
+        except Exception as exc:
+            raise EventsUnavailable(error_name(exc), describe(exc)) from exc
+
+    def register_xid_events(self, event_set: Any, index: int) -> bool:
+        """Register GPU ``index`` in ``event_set`` for XID events: True when registered,
+        False when its driver does not deliver them; raises EventsUnavailable otherwise."""
+        handle = self._handles.get(index)
+        if handle is None:
+            raise EventsUnavailable("NoHandle", f"GPU {index} has no handle")
+        xid = self._const("nvmlEventTypeXidCriticalError", 0x8)
+        try:
+            self.call("nvmlDeviceRegisterEvents", handle, xid, event_set)
+            return True
+        except Exception as exc:
+            if error_name(exc) in _FIELD_UNSUPPORTED:
+                return False
+            raise EventsUnavailable(error_name(exc), describe(exc)) from exc
+
+    def wait_event(self, event_set: Any, timeout_ms: int) -> XidArrival | None:
+        """The next XID of ``event_set``, waiting at most ``timeout_ms`` (None: none came, or
+        the event was of another kind). Waits outside the NVML lock, so sampling goes on;
+        raises EventsUnavailable for any other error."""
+        timeout_ms = max(0, min(timeout_ms, int(_EVENT_WAIT_MAX * 1000)))
+        fn = getattr(self._lib, "nvmlEventSetWait_v2", None)
+        if fn is None:
+            raise EventsUnavailable("FunctionNotFound", "nvmlEventSetWait_v2 is missing")
+        with self._event_lock:
+            if not self.initialized:
+                raise EventsUnavailable("Uninitialized", "NVML is not initialised")
+            try:
+                self.calls += 1  # not under the lock: a lost count beats a stalled sampler
+                data = fn(event_set, timeout_ms)
+            except Exception as exc:
+                if error_name(exc) == "Timeout":
+                    return None
+                raise EventsUnavailable(error_name(exc), describe(exc)) from exc
+        if not int(data.eventType) & self._const("nvmlEventTypeXidCriticalError", 0x8):
+            return None
+        uuid = self._event_uuid(data.device)
+        gpu_instance, compute_instance = int(data.gpuInstanceId), int(data.computeInstanceId)
+        return XidArrival(
+            uuid,
+            int(data.eventData),
+            None if gpu_instance == _NO_INSTANCE else gpu_instance,
+            None if compute_instance == _NO_INSTANCE else compute_instance,
+        )
+
+    def free_event_set(self, event_set: Any) -> None:
+        """Free an event set (errors are logged: there is nothing else to do with them)."""
+        try:
+            self.call("nvmlEventSetFree", event_set)
+        except Exception as exc:
+            log.debug("nvmlEventSetFree: %s", describe(exc))
+
+    def _event_uuid(self, device: Any) -> str:
+        """The UUID of an event's device ("" when it cannot be told): asked once per handle."""
+        address = ctypes.cast(device, ctypes.c_void_p).value or 0
+        uuid = self._event_devices.get(address)
+        if uuid is None:
+            try:
+                uuid = _text(self.call("nvmlDeviceGetUUID", device))
+            except Exception as exc:
+                log.warning("an XID came from a GPU whose UUID cannot be read: %s", describe(exc))
+                return ""
+            self._event_devices[address] = uuid
+        return uuid
 
     def _read_processes(
         self, index: int, handle: Any, errors: list[SampleError]
@@ -561,6 +830,11 @@ class Nvml:
             )
             return 0
         return seen
+
+
+def _item(answer: Any, item: int | None) -> float:
+    """``answer`` as a number, or its element ``item`` when it is a list."""
+    return float(answer[item] if item is not None else answer)
 
 
 def sm_peaks(samples: Sequence[Any], since: int) -> tuple[dict[int, float | None], int]:

@@ -10,9 +10,13 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
-_EMPTY: Mapping[str, Any] = MappingProxyType({})
+from exporter.core.xid import XidEvent
+
+K = TypeVar("K")
+V = TypeVar("V")
+_EMPTY: Mapping[Any, Any] = MappingProxyType({})
 
 #: Clock-event (throttle) reason bits, as NVML defines them; names are the metric's ``reason``.
 CLOCK_EVENT_REASONS: tuple[tuple[str, int], ...] = (
@@ -31,7 +35,7 @@ CLOCK_EVENT_REASONS: tuple[tuple[str, int], ...] = (
 THERMAL_CLOCK_EVENTS = ("sw_thermal_slowdown", "hw_thermal_slowdown")
 
 
-def frozen_map(values: Mapping[str, Any] | None) -> Mapping[str, Any]:
+def frozen_map(values: Mapping[K, V] | None) -> Mapping[K, V]:
     """A read-only copy of ``values`` (the Snapshot's maps must not change after publication)."""
     return MappingProxyType(dict(values)) if values else _EMPTY
 
@@ -63,6 +67,10 @@ class GpuInfo:
     ecc_enabled: bool | None = None
     #: UUIDs of the GPU's MIG devices, when MIG is enabled (``MIG-...``).
     mig_uuids: tuple[str, ...] = ()
+    #: Readings of ``core.fields`` read once (cadence ``static``), by key, in base units.
+    fields: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
+    #: NVLink links the GPU has (0: none, or NVML cannot say).
+    nvlink_links: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,22 +117,55 @@ class Gpu:
     utilization_ratio: float | None = None
     memory_utilization_ratio: float | None = None
     temperature_celsius: float | None = None
-    memory_temperature_celsius: float | None = None
-    power_watts: float | None = None
-    energy_joules: float | None = None
     fan_speed_ratio: float | None = None
     #: ``graphics``, ``sm``, ``memory``, ``video`` in Hz, where supported.
     clocks_hz: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
     performance_state: int | None = None
     clock_event_reasons: int | None = None
-    #: ``corrected``, ``uncorrected`` volatile ECC error counts, where ECC is on.
-    ecc_errors: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    #: Readings of ``core.fields`` (cadences ``sample`` and ``slow``), by key, in base units;
+    #: a reading the GPU does not support, or that failed, is left out.
+    fields: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
+    #: Per-link readings of ``core.fields``: link number -> key -> value.
+    nvlink: Mapping[int, Mapping[str, float]] = field(default_factory=lambda: _EMPTY)
+    #: When the ``slow`` readings (and the fan and the memory and video clocks) shown were read,
+    #: wall clock; None when none was.
+    slow_read_at: float | None = None
+    #: Whether the driver delivers XID events for this GPU (None: not known, or not watched).
+    xid_events_supported: bool | None = None
+    #: XIDs seen since the agent started, by code.
+    xid_counts: Mapping[int, int] = field(default_factory=lambda: _EMPTY)
+    #: The last XIDs seen (at most ``core.xid.KEPT_PER_GPU``), oldest first.
+    xids: tuple[XidEvent, ...] = ()
     processes: tuple[GpuProcess, ...] | None = None
     #: PID that took this GPU's launcher lock (None: not reserved, or no lock directory). The
     #: lock lives on in the job that inherited it, so this PID may have exited since.
     reserved_by: int | None = None
     #: the user of ``reserved_by`` ("" when unknown or not visible here)
     reserved_by_user: str = ""
+
+    @property
+    def power_watts(self) -> float | None:
+        """Power draw (the ``power`` reading)."""
+        return self.fields.get("power")
+
+    @property
+    def energy_joules(self) -> float | None:
+        """Energy since the driver was loaded (the ``energy`` reading)."""
+        return self.fields.get("energy")
+
+    @property
+    def memory_temperature_celsius(self) -> float | None:
+        """Memory temperature (the ``memory_temperature`` reading)."""
+        return self.fields.get("memory_temperature")
+
+    @property
+    def ecc_errors(self) -> Mapping[str, int]:
+        """``corrected``, ``uncorrected`` volatile ECC error counts, where ECC is on."""
+        return {
+            name: int(self.fields[key])
+            for name, key in (("corrected", "ecc_corrected"), ("uncorrected", "ecc_uncorrected"))
+            if key in self.fields
+        }
 
     def thermal_throttling(self) -> bool:
         """True while a thermal clock-event reason (SW or HW thermal slowdown) is active;
@@ -184,8 +225,12 @@ class Snapshot:
 def _jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out = {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        if isinstance(value, Gpu):
+        if isinstance(value, Gpu):  # the readings that were attributes before core.fields
             out["clock_events_active"] = value.clock_events_active()
+            out["memory_temperature_celsius"] = value.memory_temperature_celsius
+            out["power_watts"] = value.power_watts
+            out["energy_joules"] = value.energy_joules
+            out["ecc_errors"] = dict(value.ecc_errors)
         return out
     if isinstance(value, Mapping):
         return {str(k): _jsonable(v) for k, v in value.items()}

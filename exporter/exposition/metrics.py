@@ -22,7 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.process_collector import ProcessCollector
 
 from exporter import __version__
+from exporter.core.fields import READINGS
 from exporter.core.snapshot import Gpu, GpuProcess, Snapshot
+from exporter.core.xid import describe_xid
 from exporter.sampling.stats import SelfStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -213,11 +215,6 @@ def gpu_families(snapshot: Snapshot) -> list[Metric]:
             _gauge("gpu_temperature_celsius", "GPU core temperature."),
             lambda g: g.temperature_celsius,
         ),
-        _per_gpu(
-            live,
-            _gauge("gpu_memory_temperature_celsius", "GPU memory (HBM) temperature."),
-            lambda g: g.memory_temperature_celsius,
-        ),
         _per_gpu_by(
             live,
             _gauge(
@@ -227,16 +224,10 @@ def gpu_families(snapshot: Snapshot) -> list[Metric]:
             ),
             _thresholds,
         ),
-        _per_gpu(live, _gauge("gpu_power_watts", "Power draw."), lambda g: g.power_watts),
         _per_gpu(
             live,
             _gauge("gpu_power_limit_watts", "Enforced power limit."),
             lambda g: _static(g, "power_limit_watts"),
-        ),
-        _per_gpu(
-            live,
-            _counter("gpu_energy_joules", "Energy consumed since the driver was loaded."),
-            lambda g: g.energy_joules,
         ),
         _per_gpu(
             live,
@@ -262,15 +253,6 @@ def gpu_families(snapshot: Snapshot) -> list[Metric]:
             ),
             _clock_events,
         ),
-        _per_gpu_by(
-            live,
-            _counter(
-                "gpu_ecc_errors",
-                "ECC errors since the driver was loaded (volatile counters), where ECC is on.",
-                [*GPU_LABELS, "type"],
-            ),
-            lambda g: sorted(g.ecc_errors.items()),
-        ),
         _per_gpu(
             live,
             _gauge("gpu_processes", "Processes NVML lists on the GPU (compute and graphics)."),
@@ -281,6 +263,8 @@ def gpu_families(snapshot: Snapshot) -> list[Metric]:
             _gauge("gpu_reserved", "1 while a launcher lock holds the GPU for a job, else 0."),
             lambda g: 1.0 if g.reserved_by is not None else 0.0,
         ),
+        *reading_families(live),
+        *xid_families(snapshot.gpus),
         _per_process(
             live,
             _gauge(
@@ -300,6 +284,56 @@ def gpu_families(snapshot: Snapshot) -> list[Metric]:
             lambda p: p.sm_utilization_ratio,
         ),
     ]
+
+
+def reading_families(gpus: list[Gpu]) -> list[Family]:
+    """One family per metric of ``core.fields``' table, in its order: each GPU's value of every
+    reading of the family (per link for NVLink readings); a reading the GPU lacks has none."""
+    families: dict[str, Family] = {}
+    for reading in READINGS:
+        family = families.get(reading.family)
+        if family is None:
+            labels = [*GPU_LABELS, *(["link"] if reading.per_link else [])]
+            labels += [name for name, _ in reading.labels]
+            make = _counter if reading.kind == "counter" else _gauge
+            family = families[reading.family] = make(reading.family, reading.help, labels)
+        fixed = [value for _, value in reading.labels]
+        for gpu in gpus:
+            ids = [str(gpu.index), gpu.uuid]
+            if reading.per_link:
+                for link, values in gpu.nvlink.items():
+                    if reading.key in values:
+                        family.add_metric([*ids, str(link), *fixed], values[reading.key])
+                continue
+            source = gpu.info.fields if reading.cadence == "static" and gpu.info else gpu.fields
+            value = source.get(reading.key)
+            if value is not None:
+                family.add_metric([*ids, *fixed], value)
+    return list(families.values())
+
+
+def xid_families(gpus: Iterable[Gpu]) -> list[Family]:
+    """XIDs per GPU and code (also while a GPU is down: the count must not vanish when the
+    XID took the GPU down), and whether the GPU's driver delivers them."""
+    errors = _counter(
+        "gpu_xid_errors",
+        "XID errors NVML delivered since the agent started, by code and what NVIDIA's catalog "
+        "says the code needs (restart_app, reset_gpu, reboot, check_workflow, ignore, unknown).",
+        [*GPU_LABELS, "xid", "resolution"],
+    )
+    supported = _gauge(
+        "gpu_xid_events_supported",
+        "1 when the GPU's driver delivers XID events to the agent, 0 when it does not.",
+    )
+    for gpu in gpus:
+        if not gpu.uuid:
+            continue
+        ids = [str(gpu.index), gpu.uuid]
+        for code, count in sorted(gpu.xid_counts.items()):
+            errors.add_metric([*ids, str(code), describe_xid(code).resolution], count)
+        if gpu.xid_events_supported is not None:
+            supported.add_metric(ids, 1.0 if gpu.xid_events_supported else 0.0)
+    return [errors, supported]
 
 
 def _per_process(

@@ -17,6 +17,8 @@ from exporter.core.locks import LockError, held_locks, provision
 from exporter.core.nvml import GpuFailed, Nvml, NvmlProcess, NvmlUnavailable
 from exporter.core.procfs import ProcessInfo, ProcFs
 from exporter.core.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, SampleError, Snapshot
+from exporter.core.xid import XidLog
+from exporter.sampling.events import XidWatcher
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +38,12 @@ class Collector:
         lock_dir: str | None = None,
         expose_cmdline: bool = False,
         provision_locks: bool = False,
+        xids: XidWatcher | None = None,
     ) -> None:
         self.nvml = nvml
+        #: The XID thread (the agent's; None for one-shot commands, which see no XIDs): told
+        #: which GPUs to watch after every sample, its log read into every Snapshot.
+        self.xids = xids
         self.procfs = procfs
         self.lock_dir = lock_dir
         #: Only the agent makes each GPU's lock file its own; commands that only read (status,
@@ -82,6 +88,8 @@ class Collector:
         if self.lock_dir and gpus:
             holders = held_locks(self.lock_dir, self.procfs.root)
             gpus = tuple(self._reserved(g, holders.get(g.uuid)) for g in gpus)
+        if self.xids is not None:
+            gpus = self._with_xids(gpus, self.xids.xids)
         self._idle.end_sample()
         self._seq += 1
         return Snapshot(
@@ -96,6 +104,29 @@ class Collector:
             nvml_error="" if self.nvml.initialized else self._nvml_error,
             nvml_calls=self.nvml.calls - calls_before,
         )
+
+    def _with_xids(self, gpus: tuple[Gpu, ...], log: XidLog) -> tuple[Gpu, ...]:
+        """``gpus`` with their XIDs; the XID thread told to watch the GPUs that answer."""
+        assert self.xids is not None
+        self.xids.want(
+            self.nvml.generation if self.nvml.initialized else 0,
+            tuple((g.index, g.uuid) for g in gpus if g.up),
+        )
+        out = []
+        for gpu in gpus:
+            state = log.state(gpu.uuid) if gpu.uuid else None
+            if state is None or (state.supported is None and not state.counts):
+                out.append(gpu)
+                continue
+            out.append(
+                replace(
+                    gpu,
+                    xid_events_supported=state.supported,
+                    xid_counts=state.counts,
+                    xids=state.recent,
+                )
+            )
+        return tuple(out)
 
     def close(self, timeout: float = 1.0) -> bool:
         """Shut NVML down; False when a hung call prevented it."""
@@ -215,7 +246,7 @@ class Collector:
                 for other in [i for i, o in self._infos.items() if o.uuid == info.uuid]:
                     if other != index:  # it moved here (one left, one came): read that one again
                         del self._infos[other]
-            reading = self.nvml.read_gpu(info)
+            reading = self.nvml.read_gpu(info, now)
         except GpuFailed as exc:
             if self._infos.pop(index, None) is not None:
                 log.error("GPU %d (%s) failed: %s", index, info.uuid if info else "?", exc)

@@ -11,8 +11,11 @@ Nothing is patched: the ``pynvml`` module stays as it is. The scenario format is
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import itertools
 import shutil
+import threading
 import time
 import types
 from collections import Counter
@@ -21,8 +24,11 @@ from typing import Any, NoReturn
 
 import pynvml
 
+from exporter.core import fields as readings
+from exporter.core.fields import FIELD_READINGS, FUNCTION_READINGS, Function, Reading
 from exporter.simulate.processes import ScenarioProcesses, make_device_folder, running
 from exporter.simulate.scenario import (
+    CALL_FIELDS,
     DRIVER_FIELDS,
     FIELD_FUNCTIONS,
     REASON_BITS,
@@ -46,7 +52,39 @@ __all__ = [
     "simulate",
 ]
 
-_FIELD_OF = {fn: name for name, fns in FIELD_FUNCTIONS.items() for fn in fns}
+
+def _fields_of() -> dict[str, tuple[str, ...]]:
+    """pynvml function -> the scenario fields whose errors and gaps it answers with."""
+    out: dict[str, list[str]] = {}
+    for name, fns in CALL_FIELDS.items():
+        for fn in fns:
+            out.setdefault(fn, []).append(name)
+    for reading in FUNCTION_READINGS:
+        assert isinstance(reading.source, Function)
+        out.setdefault(reading.source.name, []).append(reading.key)
+    for reading in FIELD_READINGS:
+        if reading.fallback is not None:
+            out.setdefault(reading.fallback.name, []).append(reading.key)
+    return {fn: tuple(names) for fn, names in out.items()}
+
+
+_FIELD_OF = _fields_of()
+#: Field id -> (reading, link) for the readings with a field of their own per link, and
+#: field id -> (reading, None) for the others (a per-link one takes its link from ``scopeId``).
+_BY_FIELD_ID: dict[int, tuple[Reading, int | None]] = {}
+for _reading in FIELD_READINGS:
+    if _reading.link_ids:
+        _BY_FIELD_ID.update((fid, (_reading, link)) for link, fid in enumerate(_reading.link_ids))
+    else:
+        _BY_FIELD_ID[_reading.field_id(None) or 0] = (_reading, None)
+#: The list tail of a function reading's answer after its items (utilization's sampling period).
+_ANSWER_TAIL = {
+    "nvmlDeviceGetEncoderUtilization": (167_000,),
+    "nvmlDeviceGetDecoderUtilization": (167_000,),
+}
+#: How long one pass of a blocking event wait sleeps at most (the scenario clock is checked
+#: between passes, so a test's clock moves delivery along).
+_EVENT_POLL_SECONDS = 0.02
 _LIFECYCLE = ("nvmlInit", "nvmlInitWithFlags", "nvmlShutdown")
 _THRESHOLD_CODES = {"shutdown": 0, "slowdown": 1, "memory_max": 2, "gpu_max": 3}
 _CLOCK_NAMES = ("graphics", "sm", "memory", "video")
@@ -64,6 +102,16 @@ class _Handle:
 
     def __init__(self, index: int, gpu: SimGpu, mig: str = "") -> None:
         self.index, self.gpu, self.mig = index, gpu, mig
+
+
+class _EventSet:
+    """What the fake nvmlEventSetCreate returns: the GPUs registered (and since when, in
+    scenario time) and the XIDs it delivered."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, float] = {}
+        self.delivered: set[int] = set()
+        self.freed = False
 
 
 def _pay(latency: float) -> None:
@@ -128,9 +176,26 @@ class SimulatedDriver:
         self._energy: dict[int, tuple[float, float]] = {}
         self._initialized = False
         self._started = False
+        #: Each GPU's XIDs: (scenario time, sequence number, XID) in time order; the scenario's
+        #: and those :meth:`inject_xid` adds. ``_xid_wakeup`` wakes blocked event waits.
+        self._xid_seq = itertools.count()
+        self._xids: dict[int, list[tuple[float, int, Any]]] = {
+            i: [(x.at, next(self._xid_seq), x) for x in sorted(gpu.xids, key=lambda x: x.at)]
+            for i, gpu in enumerate(scenario.gpus)
+        }
+        self._xid_wakeup = threading.Condition()
+        #: One pynvml device pointer per GPU: what an event names its GPU by (a ctypes handle,
+        #: as a real driver's), resolved back to the GPU by any function given it.
+        self._devices = [pynvml.struct_c_nvmlDevice_t() for _ in scenario.gpus]
+        self._device_index = {ctypes.addressof(d): i for i, d in enumerate(self._devices)}
         fakes = self._fakes()
+        missing = set(scenario.missing_functions)
+        for reading in FUNCTION_READINGS:  # a driver without the field lacks its function
+            if reading.key in scenario.missing_fields:
+                assert isinstance(reading.source, Function)
+                missing.add(reading.source.name)
         #: The functions it answers from the scenario (without ``missing_functions``).
-        self.implemented = frozenset(fakes) - scenario.missing_functions
+        self.implemented = frozenset(fakes) - missing
         functions: dict[str, Callable[..., Any]] = {}
         for name in {n for n in library_functions() if n.startswith("nvml")} | set(fakes):
             if name in self.implemented:
@@ -191,9 +256,25 @@ class SimulatedDriver:
 
     # -- plumbing -----------------------------------------------------------------------------
 
+    def inject_xid(
+        self,
+        gpu: int,
+        code: int,
+        gpu_instance: int | None = None,
+        compute_instance: int | None = None,
+    ) -> None:
+        """Have scenario GPU ``gpu`` (its index in the scenario) raise XID ``code`` now."""
+        from exporter.simulate.scenario import SimXid
+
+        with self._xid_wakeup:
+            xid = SimXid(self.now(), code, gpu_instance, compute_instance)
+            self._xids[gpu].append((xid.at, next(self._xid_seq), xid))
+            self._xids[gpu].sort(key=lambda item: item[:2])
+            self._xid_wakeup.notify_all()
+
     def _missing(self, name: str) -> Callable[..., Any]:
         answer = self.scenario.unimplemented
-        if name in self.scenario.missing_functions:
+        if name in self.scenario.missing_functions or self._lacks_field_function(name):
             answer = "FunctionNotFound"  # named missing: the driver lacks it, whatever the default
 
         def missing(*args: Any, **kwargs: Any) -> Any:
@@ -206,9 +287,23 @@ class SimulatedDriver:
         missing.__module__ = __name__
         return missing
 
+    def _lacks_field_function(self, name: str) -> bool:
+        return any(
+            reading.key in self.scenario.missing_fields
+            for reading in FUNCTION_READINGS
+            if isinstance(reading.source, Function) and reading.source.name == name
+        )
+
+    def _handle_of(self, device: Any) -> _Handle:
+        """The handle of a device pointer an event named (InvalidArgument for another)."""
+        index = self._device_index.get(ctypes.cast(device, ctypes.c_void_p).value or 0)
+        if index is None:
+            _raise("InvalidArgument")
+        return _Handle(index, self.scenario.gpus[index])
+
     def _counted(self, name: str, impl: Callable[..., Any]) -> Callable[..., Any]:
         latency = self.scenario.call_latency
-        field_name = _FIELD_OF.get(name)
+        field_names = _FIELD_OF.get(name, ())
 
         def fake(*args: Any, **kwargs: Any) -> Any:
             self.calls[name] += 1
@@ -216,12 +311,15 @@ class SimulatedDriver:
             t = self.now()
             if not self._initialized and name not in _LIFECYCLE:
                 _raise("Uninitialized")
+            if args and isinstance(args[0], pynvml.c_nvmlDevice_t):
+                args = (self._handle_of(args[0]), *args[1:])
             if args and isinstance(args[0], _Handle):
                 gpu = args[0].gpu
                 if not gpu.present.holds(t):
                     _raise("GpuIsLost")
-                self._inject(gpu.errors, field_name, t)
-                if field_name in gpu.unsupported:
+                for field_name in field_names:
+                    self._inject(gpu.errors, field_name, t)
+                if any(field_name in gpu.unsupported for field_name in field_names):
                     _raise("NotSupported")
             return impl(*args, **kwargs)
 
@@ -236,6 +334,51 @@ class SimulatedDriver:
                     time.sleep(error.hang)
                     continue
                 _raise(error.error)
+
+    def _entry_error(self, gpu: SimGpu, key: str, t: float) -> int:
+        """The return code of a reading's own entry of a field-value answer (0: none)."""
+        if key in self.scenario.missing_fields:
+            return int(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if key in gpu.unsupported:
+            return int(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        for error in gpu.errors:  # "*" fails whole calls; an entry fails only by its key
+            if error.window.holds(t) and error.field == key:
+                if error.hang:  # the whole call hangs, as a driver stuck reading the field
+                    time.sleep(error.hang)
+                    continue
+                return int(getattr(pynvml, f"NVMLError_{error.error}")().value)
+        return 0
+
+    def reading_value(self, h: _Handle, reading: Reading, link: int | None) -> float:
+        """What the GPU reads for ``reading`` now, in base units (``link``: of that link)."""
+        gpu, t = h.gpu, self.now()
+        key = reading.key
+        if key in ("power", "power_instant"):
+            return gpu.power.at(t)
+        if key == "energy":
+            return self._energy_joules(h)
+        if key == "memory_temperature":
+            return gpu.memory_temperature.at(t)
+        if key in ("ecc_corrected", "ecc_aggregate_corrected") and key not in gpu.fields:
+            return gpu.ecc_corrected.at(t)
+        if key in ("ecc_uncorrected", "ecc_aggregate_uncorrected") and key not in gpu.fields:
+            return gpu.ecc_uncorrected.at(t)
+        if link is not None:
+            if key == "nvlink_up" and any(
+                down == link and window.holds(t) for down, window in gpu.nvlink_down
+            ):
+                return 0.0
+            value = gpu.link_fields.get(link, {}).get(key) or gpu.fields.get(key)
+        else:
+            value = gpu.fields.get(key)
+        return value.at(t) if value is not None else reading.simulated
+
+    def _energy_joules(self, h: _Handle) -> float:
+        t = self.now()
+        last_t, total = self._energy.get(h.index, (0.0, 0.0))
+        total += max(t - last_t, 0.0) * h.gpu.power.at(t)
+        self._energy[h.index] = (t, total)
+        return total
 
     def _present(self) -> list[SimGpu]:
         t = self.now()
@@ -294,26 +437,42 @@ class SimulatedDriver:
         def temperature(h: _Handle, sensor: int, version: int | None = None) -> int:
             return round(at(h.gpu.temperature))
 
-        def field_values(h: _Handle, ids: list[int]) -> Any:
+        def field_values(h: _Handle, ids: list[Any]) -> Any:
+            # pynvml's own array of its own structure, filled as the driver fills it
             values = (pynvml.c_nvmlFieldValue_t * len(ids))()
-            for i, field_id in enumerate(ids):
-                values[i].fieldId = field_id
-                if field_id == 82:  # NVML_FI_DEV_MEMORY_TEMP
-                    values[i].valueType = 1
-                    values[i].value.uiVal = round(at(h.gpu.memory_temperature))
-                else:
-                    values[i].nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+            for i, request in enumerate(ids):
+                field_id, scope = request if isinstance(request, tuple) else (request, 0)
+                values[i].fieldId, values[i].scopeId = field_id, scope
+                values[i].timestamp = self._epoch_us + round(self.now() * 1e6)
+                self._fill_field(h, values[i], int(field_id), int(scope))
             return values
 
         def power(h: _Handle) -> int:
             return round(at(h.gpu.power) * 1000)
 
-        def energy(h: _Handle) -> int:
-            t = self.now()
-            last_t, total = self._energy.get(h.index, (0.0, 0.0))
-            total += max(t - last_t, 0.0) * at(h.gpu.power) * 1000
-            self._energy[h.index] = (t, total)
-            return int(total)
+        def function_reading(name: str) -> Callable[[_Handle], Any]:
+            mine = [r for r in FUNCTION_READINGS if getattr(r.source, "name", "") == name]
+
+            def answer(h: _Handle) -> Any:
+                numbers = [round(self.reading_value(h, r, None) / r.scale) for r in mine]
+                if all(getattr(r.source, "item", None) is None for r in mine):
+                    return numbers[0]
+                return [*numbers, *_ANSWER_TAIL.get(name, ())]
+
+            return answer
+
+        def event_set_create() -> _EventSet:
+            return _EventSet()
+
+        def register_events(h: _Handle, types: int, event_set: _EventSet) -> None:
+            if not isinstance(event_set, _EventSet) or event_set.freed:
+                _raise("InvalidArgument")
+            if types & pynvml.nvmlEventTypeXidCriticalError:
+                with self._xid_wakeup:
+                    event_set.registered[h.index] = self.now()
+
+        def event_set_free(event_set: _EventSet) -> None:
+            event_set.freed = True
 
         def clock(h: _Handle, clock_type: int) -> int:
             return round(at(h.gpu.clocks[_CLOCK_NAMES[clock_type]]))
@@ -331,9 +490,6 @@ class SimulatedDriver:
             if value is None:
                 _raise("NotSupported")
             return round(value)
-
-        def ecc_errors(h: _Handle, error_type: int, counter: int) -> int:
-            return int(at(h.gpu.ecc_uncorrected if error_type else h.gpu.ecc_corrected))
 
         def pci(h: _Handle) -> Any:
             out = pynvml.nvmlPciInfo_t()
@@ -392,19 +548,103 @@ class SimulatedDriver:
             "nvmlDeviceGetTemperatureV": temperature,
             "nvmlDeviceGetFieldValues": field_values,
             "nvmlDeviceGetPowerUsage": power,
-            "nvmlDeviceGetTotalEnergyConsumption": energy,
+            "nvmlEventSetCreate": event_set_create,
+            "nvmlDeviceRegisterEvents": register_events,
+            "nvmlEventSetWait_v2": self._event_wait,
+            "nvmlEventSetFree": event_set_free,
             "nvmlDeviceGetFanSpeed": lambda h: _percent(at(h.gpu.fan_speed)),
             "nvmlDeviceGetClockInfo": clock,
             "nvmlDeviceGetPerformanceState": lambda h: h.gpu.performance_state,
             "nvmlDeviceGetCurrentClocksEventReasons": reasons,
             "nvmlDeviceGetCurrentClocksThrottleReasons": reasons,
-            "nvmlDeviceGetTotalEccErrors": ecc_errors,
             "nvmlDeviceGetProcessUtilization": process_utilization,
         }
+        for reading in FUNCTION_READINGS:
+            assert isinstance(reading.source, Function)
+            fakes.setdefault(reading.source.name, function_reading(reading.source.name))
         for kind, fn in (("compute", "GetCompute"), ("graphics", "GetGraphics")):
             for version in ("", "_v2", "_v3"):
                 fakes[f"nvmlDevice{fn}RunningProcesses{version}"] = processes(kind)
         return fakes
+
+    def _fill_field(self, h: _Handle, value: Any, field_id: int, scope: int) -> None:
+        """One entry of a field-value answer: the value, or the entry's own error."""
+        gpu = h.gpu
+        if field_id == readings.NVLINK_LINK_COUNT:
+            value.valueType, value.value.uiVal = (
+                pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
+                gpu.nvlink_links,
+            )
+            return
+        found = _BY_FIELD_ID.get(field_id)
+        if found is None:
+            value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+            return
+        reading, link = found
+        if reading.per_link and link is None:
+            link = scope
+        if reading.per_link and (link is None or link >= gpu.nvlink_links):
+            value.nvmlReturn = pynvml.NVML_ERROR_INVALID_ARGUMENT
+            return
+        if reading.requires_ecc and not gpu.ecc_enabled:
+            value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+            return
+        error = self._entry_error(gpu, reading.key, self.now())
+        if error:
+            value.nvmlReturn = error
+            return
+        number = self.reading_value(h, reading, link)
+        if reading.equals is not None:
+            raw = reading.equals if number else 0
+        else:
+            raw = round(max(number, 0.0) / reading.scale)
+        value.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+        value.value.ullVal = int(raw)
+
+    def _event_wait(self, event_set: _EventSet, timeout_ms: int) -> Any:
+        """``nvmlEventSetWait_v2``: the next XID of a registered GPU since it was registered,
+        blocking up to ``timeout_ms`` of real time for one (then ``Timeout``)."""
+        if not isinstance(event_set, _EventSet) or event_set.freed:
+            _raise("InvalidArgument")
+        deadline = time.monotonic() + max(int(timeout_ms), 0) / 1000
+        with self._xid_wakeup:
+            while True:
+                due = self._due_xid(event_set)
+                if due is not None:
+                    index, seq, xid = due
+                    event_set.delivered.add(seq)
+                    return self._event_data(index, xid)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    _raise("Timeout")
+                self._xid_wakeup.wait(min(left, _EVENT_POLL_SECONDS))
+
+    def _due_xid(self, event_set: _EventSet) -> tuple[int, int, Any] | None:
+        """The earliest undelivered XID of a registered, present GPU that happened since it
+        was registered and by now."""
+        t = self.now()
+        best: tuple[float, int, int, Any] | None = None
+        for index, since in event_set.registered.items():
+            if not self.scenario.gpus[index].present.holds(t):
+                continue
+            for at, seq, xid in self._xids[index]:
+                if at > t:
+                    break
+                if at >= since and seq not in event_set.delivered:
+                    if best is None or (at, seq) < best[:2]:
+                        best = (at, seq, index, xid)
+                    break
+        return None if best is None else (best[2], best[1], best[3])
+
+    def _event_data(self, index: int, xid: Any) -> Any:
+        data = pynvml.c_nvmlEventData_t()
+        data.device = ctypes.pointer(self._devices[index])
+        data.eventType = pynvml.nvmlEventTypeXidCriticalError
+        data.eventData = xid.code
+        none = 0xFFFFFFFF
+        data.gpuInstanceId = none if xid.gpu_instance is None else xid.gpu_instance
+        data.computeInstanceId = none if xid.compute_instance is None else xid.compute_instance
+        return data
 
     def _live_processes(self, h: _Handle, kind: str | None = None) -> Iterator[tuple[int, float]]:
         t = self.now()

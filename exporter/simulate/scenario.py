@@ -11,18 +11,21 @@ import itertools
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pynvml
 
 from exporter.config.validate import boolean, number, ratio, whole
 from exporter.config.yamlconf import Section, load_document, parse_document
+from exporter.core.fields import BY_KEY as READINGS
+from exporter.core.fields import FIELD_READINGS, Function
 from exporter.core.snapshot import CLOCK_EVENT_REASONS
 from exporter.core.units import parse_duration, parse_size
 
-#: Fields a scenario can mark unsupported or inject errors into, and the functions behind them.
-FIELD_FUNCTIONS: dict[str, tuple[str, ...]] = {
+#: Function-level fields a scenario can mark unsupported or inject errors into, and the
+#: functions behind them (the readings of ``core.fields`` are fields too: ``FIELD_FUNCTIONS``).
+CALL_FIELDS: dict[str, tuple[str, ...]] = {
     "handle": ("nvmlDeviceGetHandleByIndex",),
     "uuid": ("nvmlDeviceGetUUID",),
     "name": ("nvmlDeviceGetName",),
@@ -34,9 +37,6 @@ FIELD_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "memory": ("nvmlDeviceGetMemoryInfo",),
     "utilization": ("nvmlDeviceGetUtilizationRates",),
     "temperature": ("nvmlDeviceGetTemperature", "nvmlDeviceGetTemperatureV"),
-    "memory_temperature": ("nvmlDeviceGetFieldValues",),
-    "power": ("nvmlDeviceGetPowerUsage",),
-    "energy": ("nvmlDeviceGetTotalEnergyConsumption",),
     "fan_speed": ("nvmlDeviceGetFanSpeed",),
     "clocks": ("nvmlDeviceGetClockInfo",),
     "performance_state": ("nvmlDeviceGetPerformanceState",),
@@ -44,15 +44,37 @@ FIELD_FUNCTIONS: dict[str, tuple[str, ...]] = {
         "nvmlDeviceGetCurrentClocksEventReasons",
         "nvmlDeviceGetCurrentClocksThrottleReasons",
     ),
-    "ecc": ("nvmlDeviceGetEccMode", "nvmlDeviceGetTotalEccErrors"),
+    "ecc": ("nvmlDeviceGetEccMode",),
     "processes": tuple(
         f"nvmlDevice{kind}RunningProcesses{version}"
         for kind in ("GetCompute", "GetGraphics")
         for version in ("", "_v2", "_v3")
     ),
     "process_utilization": ("nvmlDeviceGetProcessUtilization",),
+    #: the one call of every field value: an error here fails them all
+    "field_values": ("nvmlDeviceGetFieldValues",),
+    "xid_events": ("nvmlDeviceRegisterEvents",),
+}
+
+
+def _reading_functions(key: str) -> tuple[str, ...]:
+    reading = READINGS[key]
+    if isinstance(reading.source, Function):
+        return (reading.source.name,)
+    fallback = (reading.fallback.name,) if reading.fallback else ()
+    return ("nvmlDeviceGetFieldValues", *fallback)
+
+
+#: Every field a scenario can mark unsupported or inject errors into: the function-level ones
+#: and each reading of ``core.fields`` (for a field value, its entry of the one call answers the
+#: error; for a function reading, its function), with the functions that can answer it.
+FIELD_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    **CALL_FIELDS,
+    **{key: _reading_functions(key) for key in READINGS},
 }
 DRIVER_FIELDS = ("init", "count")
+#: Readings a scenario gives per NVLink link (``nvlink.per_link``) rather than per GPU.
+LINK_READINGS = frozenset(r.key for r in FIELD_READINGS if r.per_link)
 REASON_BITS = dict(CLOCK_EVENT_REASONS)
 _DEFAULT_THRESHOLDS = {"shutdown": 92.0, "slowdown": 89.0, "gpu_max": 87.0, "memory_max": 95.0}
 _DEFAULT_CLOCKS = {"graphics": 1755.0, "sm": 1755.0, "memory": 2619.0, "video": 1545.0}
@@ -207,6 +229,16 @@ class SimProcess:
 
 
 @dataclass(frozen=True)
+class SimXid:
+    """An XID the driver delivers at scenario time ``at`` (on a MIG instance, when given)."""
+
+    at: float
+    code: int
+    gpu_instance: int | None = None
+    compute_instance: int | None = None
+
+
+@dataclass(frozen=True)
 class SimGpu:
     name: str
     uuid: str
@@ -235,6 +267,14 @@ class SimGpu:
     errors: tuple[InjectedError, ...]
     present: Window
     mig_devices: tuple[str, ...] = ()
+    #: Readings of ``core.fields`` by key, in base units (per-link ones: every link).
+    fields: dict[str, Value] = field(default_factory=dict)
+    nvlink_links: int = 0
+    #: (link, window) while which the link is down.
+    nvlink_down: tuple[tuple[int, Window], ...] = ()
+    #: Per-link readings of single links: link -> key -> value.
+    link_fields: dict[int, dict[str, Value]] = field(default_factory=dict)
+    xids: tuple[SimXid, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -246,6 +286,9 @@ class Scenario:
     call_latency: float
     errors: tuple[InjectedError, ...]
     gpus: tuple[SimGpu, ...]
+    #: Readings whose field this driver does not know (older drivers): their entries answer
+    #: ``InvalidArgument`` on every GPU, their functions ``FunctionNotFound``.
+    missing_fields: frozenset[str] = frozenset()
     #: What a pynvml function the simulation does not implement answers: ``FunctionNotFound``
     #: (a driver without it) or ``NotSupported`` (a driver that has it, for a GPU without the
     #: feature; it then costs ``call_latency`` like any call, which keeps benchmarks fair).
@@ -380,6 +423,10 @@ def _gpu(section: Section, index: int) -> SimGpu:
     present_section = section.section("present")
     present = _window(present_section)
     present_section.done()
+    fields_section = section.section("fields")
+    fields = _fields(fields_section, LINK_READINGS | _GPU_ONLY, "fields")
+    fields_section.done()
+    links, down, link_fields = _nvlink(section.section("nvlink"))
     gpu = SimGpu(
         name=name,
         uuid=section.get("uuid", str, default_uuid),
@@ -408,6 +455,11 @@ def _gpu(section: Section, index: int) -> SimGpu:
         errors=_errors(section, ("*", *FIELD_FUNCTIONS)),
         present=present,
         mig_devices=section.get("mig_devices", _mig_uuids, ()),
+        fields=fields,
+        nvlink_links=links,
+        nvlink_down=down,
+        link_fields=link_fields,
+        xids=tuple(_xid(item) for item in section.sections("xids")),
     )
     if gpu.memory_reserved >= gpu.memory_total:
         raise section.error("memory_reserved", "must be less than memory_total")
@@ -415,10 +467,87 @@ def _gpu(section: Section, index: int) -> SimGpu:
     return gpu
 
 
+#: Readings that have a scenario key of their own already (``power``, ``memory_temperature``,
+#: ``ecc``), or that the driver makes up (``energy``, from power over time): not in ``fields``.
+_OWN_KEYS = frozenset({"power", "power_instant", "energy", "memory_temperature"}) | {
+    "ecc_corrected",
+    "ecc_uncorrected",
+}
+_GPU_ONLY = frozenset(READINGS) - LINK_READINGS - _OWN_KEYS
+
+
+def _fields(section: Section, allowed: frozenset[str], where: str) -> dict[str, Value]:
+    """The readings a ``fields`` (or ``nvlink.per_link``) section sets, by key."""
+    out = {}
+    for key in list(section.data):
+        if key not in allowed:
+            hint = (
+                "it has a key of its own (power, memory_temperature, ecc)"
+                if key in _OWN_KEYS
+                else "a per-link reading belongs in nvlink.per_link"
+                if key in LINK_READINGS and where == "fields"
+                else f"one of: {', '.join(sorted(allowed))}"
+            )
+            raise section.error(key, f"unknown reading {key!r} in {where}; {hint}")
+        out[key] = section.get(key, _NUMBER_VALUE)
+    return out
+
+
+def _nvlink(
+    section: Section,
+) -> tuple[int, tuple[tuple[int, Window], ...], dict[int, dict[str, Value]]]:
+    """``nvlink:``: the number of links, links down and when, and per-link readings."""
+    links = section.get("links", whole(0, 64), 0)
+
+    def link_number(raw: Any) -> int:
+        number = whole(0, 63)(raw)
+        if number >= links:
+            raise ValueError(
+                f"link {number} does not exist: the GPU has {links} links (0-{links - 1})"
+            )
+        return number
+
+    down = []
+    for item in section.sections("down"):
+        down.append((item.get("link", link_number), _window(item)))
+        item.done()
+    per_link: dict[int, dict[str, Value]] = {}
+    links_section = section.section("per_link")
+    for raw in list(links_section.data):
+        try:
+            number = link_number(raw)
+        except ValueError as exc:
+            raise links_section.error(raw, str(exc)) from None
+        one = links_section.section(raw)
+        per_link[number] = _fields(one, LINK_READINGS, f"nvlink.per_link.{raw}")
+        one.done()
+    links_section.done()
+    section.done()
+    return links, tuple(down), per_link
+
+
+def _xid(section: Section) -> SimXid:
+    instance = whole(0, 0xFFFFFFFE)
+    xid = SimXid(
+        at=section.get("at", parse_duration),
+        code=section.get("code", whole(1, 0xFFFFFFFF)),
+        gpu_instance=section.get("gpu_instance", instance, None),
+        compute_instance=section.get("compute_instance", instance, None),
+    )
+    section.done()
+    return xid
+
+
 def _unimplemented(raw: Any) -> str:
     if raw not in ("FunctionNotFound", "NotSupported"):
         raise ValueError(f"expected FunctionNotFound or NotSupported, got {raw!r}")
     return str(raw)
+
+
+def _reading_keys(raw: Any) -> frozenset[str]:
+    if not isinstance(raw, list) or any(item not in READINGS for item in raw):
+        raise ValueError(f"expected a list of readings from: {', '.join(READINGS)}")
+    return frozenset(raw)
 
 
 def parse_scenario(root: Section) -> Scenario:
@@ -441,6 +570,7 @@ def parse_scenario(root: Section) -> Scenario:
         cuda_version=driver.get("cuda_version", cuda, 12040),
         nvml_version=driver.get("nvml_version", str, "12.550.54.15"),
         missing_functions=driver.get("missing_functions", functions, frozenset()),
+        missing_fields=driver.get("missing_fields", _reading_keys, frozenset()),
         call_latency=driver.get("call_latency", parse_duration, 0.0),
         unimplemented=driver.get("unimplemented", _unimplemented, "FunctionNotFound"),
         errors=_errors(driver, DRIVER_FIELDS),
