@@ -5,6 +5,7 @@
 # nginx: when they are missing, they are installed from Debian's packages if this runs as root;
 # otherwise those tests are skipped and say why.
 # Tests marked `gpu` run only where a real NVIDIA driver answers; elsewhere they are skipped.
+# Then the NVML layer's tests run once more on the oldest nvidia-ml-py the project allows.
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python3}"
@@ -41,3 +42,16 @@ fi
 .venv/bin/lint-imports --no-cache >/dev/null || .venv/bin/lint-imports --no-cache
 .venv/bin/mypy --no-error-summary
 .venv/bin/python -m pytest "$@"
+
+# The NVML layer again on the oldest nvidia-ml-py pyproject.toml allows (the run above has the
+# newest), beside the project's venv: neither end of the range breaks unseen.
+oldest=$(sed -n 's/.*"nvidia-ml-py>=\([0-9.]*\),.*/\1/p' pyproject.toml)
+if [ ! -d ".nvml-oldest/nvidia_ml_py-$oldest.dist-info" ]; then
+    rm -rf .nvml-oldest
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
+        --target .nvml-oldest "nvidia-ml-py==$oldest"
+fi
+echo "test.sh: the NVML layer on nvidia-ml-py $oldest"
+PYTHONPATH=.nvml-oldest .venv/bin/python -m pytest -q -p no:cacheprovider \
+    tests/test_nvml.py tests/test_fields.py tests/test_xid.py tests/test_collect.py \
+    tests/test_simulate.py tests/test_metrics.py tests/test_faults.py

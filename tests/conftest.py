@@ -24,6 +24,17 @@ from exporter.simulate.driver import SimulatedDriver, parse_scenario
 PR_SET_CHILD_SUBREAPER = 36
 
 
+def pytest_report_header() -> str:
+    """Which nvidia-ml-py the NVML layer runs on (test.sh runs it on the oldest allowed too)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("nvidia-ml-py")
+    except PackageNotFoundError:
+        installed = "?"
+    return f"pynvml: {pynvml.__file__} (nvidia-ml-py {installed})"
+
+
 class FakeClock:
     """A monotonic clock that only moves when the test says so."""
 

@@ -135,8 +135,13 @@ def test_driver_matrix_falls_back_and_stops_asking(
         assert gpu.memory_used_bytes + gpu.memory_free_bytes + reserved == info.memory_total_bytes
         assert gpu.temperature_celsius == 61.0
         assert gpu.clock_event_reasons is not None
-        assert len(reading.processes) == 2
-    assert driver.calls[process_call] == 2
+        if callable(getattr(pynvml, process_call, None)):
+            assert len(reading.processes) == 2
+        else:  # nvidia-ml-py 12.535 has no _v2 function: with a driver without v3, the
+            # process lists are unknown (absent), never an error or a short list
+            assert reading.processes is None and reading.errors == []
+    if callable(getattr(pynvml, process_call, None)):
+        assert driver.calls[process_call] == 2
     for name in missing:  # each missing function was tried once, then remembered
         assert driver.calls.get(name, 0) <= 1
 

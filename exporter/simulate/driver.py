@@ -109,7 +109,7 @@ class _EventSet:
     scenario time) and the XIDs it delivered."""
 
     def __init__(self) -> None:
-        self.registered: dict[int, float] = {}
+        self.registered: dict[int, tuple[float, int]] = {}  # GPU -> (time, sequence number)
         self.delivered: set[int] = set()
         self.freed = False
 
@@ -188,7 +188,9 @@ class SimulatedDriver:
         #: as a real driver's), resolved back to the GPU by any function given it.
         self._devices = [pynvml.struct_c_nvmlDevice_t() for _ in scenario.gpus]
         self._device_index = {ctypes.addressof(d): i for i, d in enumerate(self._devices)}
-        fakes = self._fakes()
+        # only what this nvidia-ml-py has: an older one lacks the newer functions, as the
+        # agent will find on a host with it (nvmlDeviceGetTemperatureV in 12.535, say)
+        fakes = {n: f for n, f in self._fakes().items() if callable(getattr(pynvml, n, None))}
         missing = set(scenario.missing_functions)
         for reading in FUNCTION_READINGS:  # a driver without the field lacks its function
             if reading.key in scenario.missing_fields:
@@ -468,8 +470,9 @@ class SimulatedDriver:
             if not isinstance(event_set, _EventSet) or event_set.freed:
                 _raise("InvalidArgument")
             if types & pynvml.nvmlEventTypeXidCriticalError:
-                with self._xid_wakeup:
-                    event_set.registered[h.index] = self.now()
+                with self._xid_wakeup:  # what happened before, even in the same instant, is
+                    # never delivered (the sequence number orders XIDs of one instant)
+                    event_set.registered[h.index] = (self.now(), next(self._xid_seq))
 
         def event_set_free(event_set: _EventSet) -> None:
             event_set.freed = True
@@ -624,13 +627,14 @@ class SimulatedDriver:
         was registered and by now."""
         t = self.now()
         best: tuple[float, int, int, Any] | None = None
-        for index, since in event_set.registered.items():
+        for index, (since, after) in event_set.registered.items():
             if not self.scenario.gpus[index].present.holds(t):
                 continue
             for at, seq, xid in self._xids[index]:
                 if at > t:
                     break
-                if at >= since and seq not in event_set.delivered:
+                later = at > since or (at == since and seq > after)
+                if later and seq not in event_set.delivered:
                     if best is None or (at, seq) < best[:2]:
                         best = (at, seq, index, xid)
                     break
