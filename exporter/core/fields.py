@@ -154,7 +154,7 @@ READINGS: tuple[Reading, ...] = (
         "W",
         _fv(186, "POWER_INSTANT"),
         _MILLI,
-        absent="drivers before R535, GPUs without the sensor",
+        absent="drivers or GPUs without the field",
         simulated=70.0,
     ),
     Reading(
@@ -398,7 +398,7 @@ READINGS: tuple[Reading, ...] = (
         "4 drain and reset (NVML's numbers; see docs/metrics.md).",
         "NVML's number",
         _fv(230, "GET_GPU_RECOVERY_ACTION"),
-        absent="drivers before R550",
+        absent="drivers without the field",
     ),
     # -- PCIe ------------------------------------------------------------------------------
     Reading(
@@ -458,7 +458,7 @@ READINGS: tuple[Reading, ...] = (
             "errors",
             _fv(number, constant),
             labels=(("type", name),),
-            absent="drivers before R550 (R450 for `replay_rollover`)",
+            absent="drivers or GPUs that do not count that type",
         )
         for name, number, constant in _PCIE_ERRORS
     ),
@@ -469,7 +469,7 @@ READINGS: tuple[Reading, ...] = (
         "Bytes the GPU sent over PCIe.",
         "bytes",
         _fv(197, "PCIE_COUNT_TX_BYTES"),
-        absent="drivers before R550",
+        absent="drivers without the field",
     ),
     Reading(
         "pcie_receive_bytes",
@@ -478,7 +478,7 @@ READINGS: tuple[Reading, ...] = (
         "Bytes the GPU received over PCIe.",
         "bytes",
         _fv(198, "PCIE_COUNT_RX_BYTES"),
-        absent="drivers before R550",
+        absent="drivers without the field",
     ),
     # -- NVLink (per link; none at all on GPUs without NVLink) -----------------------------
     Reading(
@@ -541,8 +541,8 @@ READINGS: tuple[Reading, ...] = (
             _fv(number, constant),
             _NS,
             labels=(("reason", name),),
-            absent="per reason, drivers that lack the field (the three slowdown reasons are "
-            "R570 and newer)",
+            absent="per reason, drivers without the field (the three slowdown reasons are "
+            "recent: NVML 12.8 and newer)",
         )
         for name, number, constant in _CLOCK_EVENT_TIMES
     ),

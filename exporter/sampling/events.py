@@ -58,6 +58,11 @@ class XidWatcher:
         #: Whether the last registration failed for a passing reason (tried again later).
         self._retry = False
 
+    @property
+    def native_id(self) -> int | None:
+        """The thread's id for the OS (``/proc/self/task/ID``); None before :meth:`start`."""
+        return self._thread.native_id if self._thread is not None else None
+
     def want(self, generation: int, gpus: tuple[tuple[int, str], ...]) -> None:
         """Watch these GPUs (index, UUID) of NVML initialisation ``generation``."""
         wanted = (generation, gpus)

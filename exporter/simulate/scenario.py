@@ -484,8 +484,6 @@ def _fields(section: Section, allowed: frozenset[str], where: str) -> dict[str, 
             hint = (
                 "it has a key of its own (power, memory_temperature, ecc)"
                 if key in _OWN_KEYS
-                else "a per-link reading belongs in nvlink.per_link"
-                if key in LINK_READINGS and where == "fields"
                 else f"one of: {', '.join(sorted(allowed))}"
             )
             raise section.error(key, f"unknown reading {key!r} in {where}; {hint}")
