@@ -47,7 +47,7 @@ def _source(reading: Reading) -> str:
 def _scale(reading: Reading) -> str:
     if reading.equals is not None:
         return f", 1 when NVML says {reading.equals}"
-    return "" if reading.scale == 1 else f" × {reading.scale:g}"
+    return "" if reading.scale == 1 else f" \N{MULTIPLICATION SIGN} {reading.scale:g}"
 
 
 def rows() -> str:

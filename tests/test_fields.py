@@ -253,7 +253,9 @@ def test_an_unsupported_reading_is_absent_and_not_asked_again(simulated, clock, 
 def test_fields_an_older_driver_lacks_are_absent_and_power_falls_back(simulated, collector):
     driver = simulated(
         """
-        driver: {missing_fields: [power, recovery_action, clock_event_seconds_hw_thermal_slowdown, memory_unrepairable]}
+        driver:
+          missing_fields:
+            [power, recovery_action, clock_event_seconds_hw_thermal_slowdown, memory_unrepairable]
         gpus: [{power: 320}]
         """
     )
