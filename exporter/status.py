@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import time
 
+from exporter.core.fields import RECOVERY_ACTIONS
 from exporter.core.snapshot import Gpu, GpuProcess, Snapshot
 from exporter.core.units import format_bytes
+from exporter.core.xid import KEPT_PER_GPU
 
-_GPU_ROW = "{:>3}  {:<26} {:>5} {:>5} {:>21} {:>9} {:>13}  {}"
+_GPU_ROW = "{:>3}  {:<26} {:>5} {:>5} {:>21} {:>9} {:>13}  {:<14} {}"
 _PROCESS_ROW = "{:>3}  {:>8} {:<12} {:<8} {:>9}  {}"
 _HEADER = _GPU_ROW.format(
-    "GPU", "NAME", "TEMP", "UTIL", "MEMORY USED / TOTAL", "FREE", "POWER", "THROTTLE"
-)
+    "GPU", "NAME", "TEMP", "UTIL", "MEMORY USED / TOTAL", "FREE", "POWER", "THROTTLE", "HEALTH"
+).rstrip()
+_ACTIONS = {number: name for number, name, _ in RECOVERY_ACTIONS}
+#: XIDs of the last this many seconds count in the HEALTH column.
+_XID_WINDOW = 3600.0
 _PROCESS_HEADER = _PROCESS_ROW.format("", "PID", "USER", "TYPE", "MEMORY", "COMMAND")
 
 
@@ -27,7 +32,41 @@ def _throttle(gpu: Gpu) -> str:
     return ",".join(names) or "none"
 
 
-def _gpu_line(gpu: Gpu) -> str:
+def health_notes(gpu: Gpu, now: float) -> list[str]:
+    """What needs attention on ``gpu``, in a few words each: XIDs of the last hour, memory
+    repair waiting or failed, what the driver says to do, a degraded PCIe link, NVLink links
+    down. Empty when nothing does (or nothing is known)."""
+    notes = []
+    recent = [x for x in gpu.xids if now - x.timestamp <= _XID_WINDOW]
+    if recent:
+        codes = ",".join(str(code) for code in sorted({x.xid for x in recent}))
+        count = f"{len(recent)}+" if len(recent) == KEPT_PER_GPU else str(len(recent))
+        notes.append(f"XID {codes} ({count}/1h)")
+    fields = gpu.fields
+    if fields.get("row_remap_failed"):
+        notes.append("remap failed")
+    elif fields.get("row_remap_pending") or fields.get("bank_remap_pending"):
+        notes.append("remap pending")
+    if fields.get("retired_pages_pending"):
+        notes.append("page retirement pending")
+    if fields.get("memory_unrepairable"):
+        notes.append("memory unrepairable")
+    action = fields.get("recovery_action")
+    if action:
+        notes.append(f"needs {_ACTIONS.get(int(action), f'action {int(action)}')}")
+    width, widest = (
+        fields.get("pcie_link_width"),
+        (gpu.info.fields if gpu.info else {}).get("pcie_link_width_max"),
+    )
+    if width is not None and widest is not None and width < widest:
+        notes.append(f"PCIe x{int(width)}/x{int(widest)}")
+    down = [link for link, values in gpu.nvlink.items() if values.get("nvlink_up") == 0]
+    if down:
+        notes.append(f"NVLink {len(down)}/{len(gpu.nvlink)} down")
+    return notes
+
+
+def _gpu_line(gpu: Gpu, now: float) -> str:
     name = gpu.info.name if gpu.info else "?"
     if not gpu.up:
         return f"{gpu.index:>3}  {name[:26]:<26} DOWN: {gpu.error}"
@@ -40,7 +79,10 @@ def _gpu_line(gpu: Gpu) -> str:
         gpu.utilization_ratio * 100 if gpu.utilization_ratio is not None else None, ".0f", "%"
     )
     free = format_bytes(gpu.memory_free_bytes)
-    row = _GPU_ROW.format(gpu.index, name[:26], temp, util, memory, free, power, _throttle(gpu))
+    health = ", ".join(health_notes(gpu, now)) or "ok"
+    row = _GPU_ROW.format(
+        gpu.index, name[:26], temp, util, memory, free, power, _throttle(gpu), health
+    ).rstrip()
     if gpu.reserved_by is not None:
         who = f"{gpu.reserved_by_user} " if gpu.reserved_by_user else ""
         row += f"\n     reserved by a launcher lock: {who}(pid {gpu.reserved_by})"
@@ -71,7 +113,7 @@ def format_status(snapshot: Snapshot) -> str:
         _HEADER,
     ]
     for gpu in snapshot.gpus:
-        lines.append(_gpu_line(gpu))
+        lines.append(_gpu_line(gpu, snapshot.timestamp))
         if gpu.processes:
             lines.append(_PROCESS_HEADER)
             lines.extend(_process_line(proc) for proc in sorted(gpu.processes, key=lambda p: p.pid))

@@ -95,3 +95,33 @@ def test_run_refuses_an_unsafe_lock_directory_and_leaves_it_as_it_was(tmp_path):
     done = exporter_cli("run", "--simulate", "--lock-dir", str(locks), "--", "true")
     assert done.returncode == 1 and "lock" in done.stderr, done.stderr
     assert os.listdir(locks) == []
+
+
+def test_the_health_column_names_what_needs_attention():
+    from exporter.core.xid import XidEvent
+    from exporter.status import health_notes
+
+    now = 1.7e9
+    old = XidEvent(now - 4000, 13, "restart_app")
+    recent = (XidEvent(now - 60, 79, "reboot"), XidEvent(now - 30, 48, "reset_gpu"))
+    info = GpuInfo(0, "GPU-0", "NVIDIA H100", fields={"pcie_link_width_max": 16})
+    sick = replace(
+        gpu(),
+        info=info,
+        xids=(old, *recent),
+        fields={"row_remap_pending": 1, "recovery_action": 1, "pcie_link_width": 8},
+        nvlink={0: {"nvlink_up": 1}, 1: {"nvlink_up": 0}},
+    )
+    assert health_notes(sick, now) == [
+        "XID 48,79 (2/1h)",
+        "remap pending",
+        "needs gpu_reset",
+        "PCIe x8/x16",
+        "NVLink 1/2 down",
+    ]
+    failed = replace(gpu(), fields={"row_remap_pending": 1, "row_remap_failed": 1})
+    assert health_notes(failed, now) == ["remap failed"]
+    text = format_status(Snapshot(1, now, 1.0, 0.01, True, HostInfo("h"), (gpu(), sick)))
+    header, healthy, unhealthy = text.splitlines()[1:4]
+    assert header.endswith("HEALTH") and healthy.endswith(" ok")
+    assert unhealthy.endswith("NVLink 1/2 down")
