@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import pytest
 
@@ -105,3 +106,96 @@ def test_a_process_that_allocates_gpu_memory_appears(real_collector):
     finally:
         child.kill()
         child.wait()
+
+
+class _Counting:
+    """pynvml with a count of the calls of each of its functions (the real driver's)."""
+
+    def __init__(self, library) -> None:
+        self._library = library
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str):
+        found = getattr(self._library, name)
+        if not (name.startswith("nvml") and callable(found)):
+            return found
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return found(*args, **kwargs)
+
+        return counted
+
+
+def test_real_health_readings_in_one_field_call_per_gpu():
+    import pynvml
+
+    library = _Counting(pynvml)
+    collector = Collector(Nvml(library=library), ProcFs())
+    try:
+        snap = collector.sample()
+        count = len(snap.gpus)
+        before = library.calls["nvmlDeviceGetFieldValues"]
+        again = collector.sample()
+        assert library.calls["nvmlDeviceGetFieldValues"] - before == count
+    finally:
+        collector.close()
+    assert not [e for e in again.errors if e.source in ("gpu", "nvml")], again.errors
+    for gpu in again.gpus:
+        fields, static = gpu.fields, gpu.info.fields
+        if "power" in fields:
+            assert 0 < fields["power"] < 2000
+        if "energy" in fields:
+            assert fields["energy"] >= snap.gpus[gpu.index].fields.get("energy", 0)
+        if "memory_temperature" in fields:
+            assert 0 < fields["memory_temperature"] < 130
+        generation, most = (
+            fields.get("pcie_link_generation"),
+            static.get("pcie_link_generation_max"),
+        )
+        if generation is not None and most is not None:
+            assert 1 <= generation <= most <= 7
+        width, widest = fields.get("pcie_link_width"), static.get("pcie_link_width_max")
+        if width is not None and widest is not None:
+            assert 1 <= width <= widest <= 32
+        for key in ("row_remap_pending", "row_remap_failed", "retired_pages_pending"):
+            assert fields.get(key) in (None, 0.0, 1.0), key
+        if "recovery_action" in fields:
+            assert fields["recovery_action"] in range(8)
+        assert len(gpu.nvlink) <= gpu.info.nvlink_links <= 18
+        for values in gpu.nvlink.values():
+            assert values.get("nvlink_up") in (None, 0.0, 1.0)
+        for key, value in fields.items():
+            if key.startswith("clock_event_seconds_"):
+                assert 0 <= value < 10 * 365 * 86400, key  # ns scaled to s, not ns
+        print(
+            f"GPU {gpu.index}: {len(fields)} readings, {len(gpu.nvlink)} NVLink links, "
+            f"{sum(len(v) for v in gpu.nvlink.values())} link readings; calls by function: "
+            f"{dict(library.calls)}"
+        )
+
+
+def test_real_xid_registration_and_a_quick_stop():
+    from exporter.core.xid import XidLog
+    from exporter.sampling.events import XidWatcher
+
+    nvml = Nvml()
+    watcher = XidWatcher(nvml, XidLog())
+    collector = Collector(nvml, ProcFs(), xids=watcher)
+    watcher.start()
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            snap = collector.sample()
+            if all(g.xid_events_supported is not None for g in snap.gpus if g.up):
+                break
+            time.sleep(0.2)
+        states = [g.xid_events_supported for g in snap.gpus]
+        assert None not in states, states
+        print(f"XID events supported per GPU: {states}")
+        started = time.monotonic()
+        assert watcher.stop(2.0)
+        assert time.monotonic() - started < 2.0
+    finally:
+        watcher.stop(2.0)
+        collector.close()
