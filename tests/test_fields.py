@@ -285,23 +285,45 @@ def test_ecc_readings_are_not_asked_with_ecc_off(simulated, collector):
 # -- errors --------------------------------------------------------------------------------------
 
 
-def test_an_entry_error_is_absent_this_sample_counted_and_read_again(simulated, collector, clock):
-    simulated(
-        """
-        gpus:
-          - fields: {row_remap_pending: 1}
-            errors: [{field: row_remap_pending, error: Timeout, until: 5s}]
-        """
+@pytest.mark.parametrize("key", sorted(BY_KEY))
+def test_an_error_is_absent_this_sample_counted_and_read_again(simulated, clock, key):
+    reading = BY_KEY[key]
+    if not _available(reading):
+        pytest.skip(f"this nvidia-ml-py has no {reading.source}")
+    nvlink = "    nvlink: {links: 2}\n" if reading.per_link else ""
+    driver = simulated(
+        f"gpus:\n  - errors: [{{field: {key}, error: Timeout, until: 5s}}]\n{nvlink}"
     )
-    snap, found = _sample(collector)
-    assert "gpu_row_remap_pending" not in found
-    assert "gpu_row_remap_failed" in found  # one entry's error hides no other
-    assert [(e.source, e.field, e.error) for e in snap.errors] == [
-        ("field", "row_remap_pending", "Timeout")
-    ]
-    clock.advance(5)
-    snap, found = _sample(collector)
-    assert snap.errors == () and one(found, "gpu_row_remap_pending", gpu="0") == 1
+    collector = Collector(Nvml(library=driver, slow_seconds=0), ProcFs(), monotonic=clock)
+    try:
+        snap, found = _sample(collector)
+        if reading.cadence == "static":  # read with the static facts: read again later
+            assert key not in snap.gpus[0].info.fields
+            assert 0 in collector.nvml.incomplete
+        else:
+            absent = [
+                s
+                for s in found.get(reading.metric, [])
+                if s.labels.items() >= _labels(reading).items()
+            ]
+            assert absent == [], key
+        if reading.cadence != "static":  # static facts that failed are logged, not counted
+            shared = {r.key for r in READINGS if r.source == reading.source}  # one function's
+            names = {e.field.partition("@")[0] for e in snap.errors}
+            assert {(e.source, e.error) for e in snap.errors} == {("field", "Timeout")}
+            assert names <= shared | {getattr(reading.source, "name", "")}, names
+        assert snap.gpus[0].up
+        clock.advance(5)
+        snap, found = _sample(collector)
+        clock.advance(1)
+        snap, found = _sample(collector)  # static facts: read again 1 s after the failure
+        assert snap.errors == ()
+        present = [
+            s for s in found.get(reading.metric, []) if s.labels.items() >= _labels(reading).items()
+        ]
+        assert present, key
+    finally:
+        collector.close()
 
 
 def test_the_call_failing_leaves_every_field_value_absent_for_one_sample(

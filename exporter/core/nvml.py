@@ -182,6 +182,8 @@ class Nvml:
         self._wall = wall
         self._lock = threading.Lock()
         self.calls = 0
+        #: Event waits (the XID thread's ``nvmlEventSetWait_v2`` calls), counted apart.
+        self.event_waits = 0
         self.initialized = False
         self._missing: set[str] = set()
         self._unsupported: set[tuple[int, str]] = set()
@@ -727,7 +729,7 @@ class Nvml:
             if not self.initialized:
                 raise EventsUnavailable("Uninitialized", "NVML is not initialised")
             try:
-                self.calls += 1  # not under the lock: a lost count beats a stalled sampler
+                self.event_waits += 1  # not in ``calls``: those are the samples' own
                 data = fn(event_set, timeout_ms)
             except Exception as exc:
                 if error_name(exc) == "Timeout":
