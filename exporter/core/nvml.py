@@ -12,8 +12,10 @@ test alike.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +26,15 @@ import pynvml
 
 from exporter.core import fields as readings
 from exporter.core.fields import FIELD_READINGS, FUNCTION_READINGS, Function, Reading
-from exporter.core.snapshot import Gpu, GpuInfo, HostInfo, SampleError, frozen_map
+from exporter.core.snapshot import (
+    Gpu,
+    GpuInfo,
+    HostInfo,
+    LinkReadings,
+    Readings,
+    SampleError,
+    frozen_map,
+)
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +135,11 @@ class NvmlProcess(NamedTuple):
     sm_utilization_ratio: float | None = None
 
 
+#: One entry of a GPU's field-value call: the reading, its link (None: the GPU's), and what
+#: the entry is remembered under when the GPU lacks it ((GPU index, key or key@link)).
+_FieldEntry = tuple[Reading, int | None, tuple[int, str]]
+
+
 class XidArrival(NamedTuple):
     """One XID event as NVML delivered it."""
 
@@ -206,6 +221,8 @@ class Nvml:
         self._event_lock = threading.Lock()
         #: Event device address -> GPU UUID (an event names its GPU by handle).
         self._event_devices: dict[int, str] = {}
+        #: GPU index -> (its static facts, gaps known, the field values to ask for).
+        self._requests: dict[int, tuple[GpuInfo, int, list[_FieldEntry], list[Any]]] = {}
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -292,6 +309,7 @@ class Nvml:
         self._utilization_seen.clear()
         self._slow.clear()
         self._event_devices.clear()
+        self._requests.clear()
         try:
             self.call("nvmlInit")
         except Exception as exc:
@@ -449,7 +467,7 @@ class Nvml:
             power_limit_watts=power_limit / 1000.0 if power_limit is not None else None,
             ecc_enabled=bool(ecc[0]) if ecc is not None else None,
             mig_uuids=mig_uuids,
-            fields=frozen_map(static),
+            fields=Readings(static),
             nvlink_links=int(links) if links else 0,
         )
 
@@ -550,8 +568,8 @@ class Nvml:
                 int(pstate) if pstate is not None and pstate != _PSTATE_UNKNOWN else None
             ),
             clock_event_reasons=int(reasons) if reasons is not None else None,
-            fields=frozen_map(values),
-            nvlink=frozen_map({link: frozen_map(v) for link, v in sorted(links.items()) if v}),
+            fields=Readings(values),
+            nvlink=LinkReadings(links),
             slow_read_at=slow_at,
         )
         return GpuReading(gpu, processes, errors)
@@ -564,21 +582,22 @@ class Nvml:
         """Every field-value reading of the GPU in one ``nvmlDeviceGetFieldValues`` call, each
         entry with its own return code; then the fallbacks of the unsupported ones."""
         index = info.index
-        wanted = self._field_requests(info)
+        entries, requests = self._field_requests(info)
         values: dict[str, float] = {}
         links: dict[int, dict[str, float]] = {}
         answer = None
-        if wanted:
+        if requests:
             answer = self._read(
                 index,
                 "field_values",
                 errors,
-                Call("nvmlDeviceGetFieldValues", (handle, [request for _, _, request in wanted])),
+                Call("nvmlDeviceGetFieldValues", (handle, requests)),
             )
         if answer is not None:
-            for (reading, link, _), item in zip(wanted, answer, strict=False):
-                name = reading.key if link is None else f"{reading.key}@{link}"
-                value = self._field_entry(index, name, item, errors)
+            for (reading, link, gap), (code, number) in zip(
+                entries, self._field_entries(answer), strict=False
+            ):
+                value = self._field_entry(gap, code, number, errors)
                 if value is None:
                     continue
                 if reading.equals is not None:
@@ -600,42 +619,70 @@ class Nvml:
                     values[reading.key] = _item(value, fallback.item) * reading.scale
         return values, links
 
-    def _field_requests(self, info: GpuInfo) -> list[tuple[Reading, int | None, Any]]:
-        """(reading, link, request) of each field value to ask the GPU for: an id, or an
-        (id, link) pair for a field scoped by link; remembered gaps left out."""
-        index = info.index
-        gaps = self._unsupported
-        wanted: list[tuple[Reading, int | None, Any]] = []
+    def _field_requests(self, info: GpuInfo) -> tuple[list[_FieldEntry], list[Any]]:
+        """The field values to ask the GPU for: (reading, link, its key among the gaps) of
+        each, and the request itself (an id, or an (id, link) pair for a field scoped by
+        link); remembered gaps left out. Made again only when a gap was found or the static
+        facts were read again."""
+        cached = self._requests.get(info.index)
+        if cached is not None and cached[0] is info and cached[1] == len(self._unsupported):
+            return cached[2], cached[3]
+        index, gaps = info.index, self._unsupported
+        entries: list[_FieldEntry] = []
+        requests: list[Any] = []
         for reading in FIELD_READINGS:
             if reading.requires_ecc and not info.ecc_enabled:
                 continue
             if not reading.per_link:
                 if (index, reading.key) not in gaps:
-                    wanted.append((reading, None, reading.field_id(None)))
+                    entries.append((reading, None, (index, reading.key)))
+                    requests.append(reading.field_id(None))
                 continue
             for link in range(info.nvlink_links):
-                field_id = reading.field_id(link)
-                if field_id is None or (index, f"{reading.key}@{link}") in gaps:
+                field_id, gap = reading.field_id(link), (index, f"{reading.key}@{link}")
+                if field_id is None or gap in gaps:
                     continue
-                wanted.append((reading, link, field_id if reading.link_ids else (field_id, link)))
-        return wanted
+                entries.append((reading, link, gap))
+                requests.append(field_id if reading.link_ids else (field_id, link))
+        self._requests[info.index] = (info, len(gaps), entries, requests)
+        return entries, requests
+
+    def _field_entries(self, answer: Any) -> list[tuple[int, float | None]]:
+        """(return code, value) of each entry of a field-value answer: read from the ctypes
+        array's memory at the offsets pynvml's ``c_nvmlFieldValue_t`` declares (attribute access
+        through pynvml's structure classes costs a Python call per member; an answer holds a
+        hundred entries and more). The value is None when its type is unknown."""
+        layout = _field_layout(self._lib.c_nvmlFieldValue_t)
+        try:
+            raw = memoryview(answer).cast("B")
+        except TypeError:  # not a ctypes array: one entry at a time
+            return [_field_item(item) for item in answer]
+        size, head_at, head, value_at, decoders = layout
+        out = []
+        for base in range(0, len(raw), size):
+            kind, code = head.unpack_from(raw, base + head_at)
+            decoder = decoders.get(kind)
+            number = decoder.unpack_from(raw, base + value_at)[0] if decoder else None
+            out.append((code, None if number is None else float(number)))
+        return out
 
     def _field_entry(
-        self, index: int, name: str, item: Any, errors: list[SampleError]
+        self, gap: tuple[int, str], code: int, number: float | None, errors: list[SampleError]
     ) -> float | None:
-        """The value of one entry of a field-value answer; None (remembered, or counted as an
-        error of this sample) when the entry has an error of its own."""
-        if item.nvmlReturn == 0:
-            kind = int(item.valueType)
-            if 0 <= kind < len(_VALUE_FIELDS) and hasattr(item.value, _VALUE_FIELDS[kind]):
-                self._supported.add((index, name))
-                return float(getattr(item.value, _VALUE_FIELDS[kind]))
-            exc: BaseException = ValueError(f"unknown value type {kind}")
+        """The value of one entry of a field-value answer (``gap``: its GPU and name); None
+        (remembered, or counted as an error of this sample) when the entry has an error of its
+        own."""
+        if code == 0:
+            if number is not None:
+                self._supported.add(gap)
+                return number
+            exc: BaseException = ValueError("unknown value type")
         else:
-            exc = self._lib.NVMLError(item.nvmlReturn)
+            exc = self._lib.NVMLError(code)
         error = error_name(exc)
-        if error in _FIELD_UNSUPPORTED and (index, name) not in self._supported:
-            self._unsupported.add((index, name))
+        index, name = gap
+        if error in _FIELD_UNSUPPORTED and gap not in self._supported:
+            self._unsupported.add(gap)
             log.debug("GPU %d: field %s not supported (%s)", index, name, error)
         else:
             errors.append(SampleError("field", error, index, name, describe(exc)))
@@ -832,6 +879,35 @@ class Nvml:
             )
             return 0
         return seen
+
+
+#: ``c_nvmlValue_t``'s members by ``valueType``, as struct formats (native sizes and order).
+_VALUE_FORMATS = {0: "=d", 1: "=I", 2: "=L", 3: "=Q", 4: "=q", 5: "=i", 6: "=H"}
+
+
+@functools.cache
+def _field_layout(cls: Any) -> tuple[int, int, struct.Struct, int, dict[int, struct.Struct]]:
+    """Size of one ``c_nvmlFieldValue_t``, the offset of its (valueType, nvmlReturn) pair and a
+    Struct for it, the value's offset, and the value's Struct by value type: from the ctypes
+    class itself."""
+    kind, code, value = cls.valueType, cls.nvmlReturn, cls.value
+    if code.offset != kind.offset + kind.size or kind.size != 4 or code.size != 4:
+        raise ValueError("unexpected c_nvmlFieldValue_t layout")
+    members = {name for name, _ in cls._fields_[-1][1]._fields_}
+    decoders = {
+        number: struct.Struct(fmt)
+        for number, fmt in _VALUE_FORMATS.items()
+        if _VALUE_FIELDS[number] in members
+    }
+    return ctypes.sizeof(cls), kind.offset, struct.Struct("=II"), value.offset, decoders
+
+
+def _field_item(item: Any) -> tuple[int, float | None]:
+    """(return code, value) of one ``c_nvmlFieldValue_t``, member by member."""
+    kind = int(item.valueType)
+    name = _VALUE_FIELDS[kind] if 0 <= kind < len(_VALUE_FIELDS) else ""
+    value = getattr(item.value, name, None) if name else None
+    return int(item.nvmlReturn), None if value is None else float(value)
 
 
 def _item(answer: Any, item: int | None) -> float:

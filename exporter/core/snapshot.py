@@ -7,7 +7,9 @@ A field that the GPU does not support, or that failed this sample, is ``None``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import functools
+from array import array
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -38,6 +40,80 @@ THERMAL_CLOCK_EVENTS = ("sw_thermal_slowdown", "hw_thermal_slowdown")
 def frozen_map(values: Mapping[K, V] | None) -> Mapping[K, V]:
     """A read-only copy of ``values`` (the Snapshot's maps must not change after publication)."""
     return MappingProxyType(dict(values)) if values else _EMPTY
+
+
+@functools.lru_cache(maxsize=512)
+def _layout(keys: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[Any, int]]:
+    """One shared key tuple and index for every map with these keys (a GPU reads the same
+    keys sample after sample: the history holds one copy of them)."""
+    return keys, {key: i for i, key in enumerate(keys)}
+
+
+class Readings(Mapping[Any, float]):
+    """A read-only map of numbers kept compact: the keys are shared between the maps with the
+    same keys, the values are one array of doubles (8 bytes each, where a dict of floats costs
+    over 100). The sampler's history holds some hundred of these per GPU."""
+
+    __slots__ = ("_index", "_keys", "_values")
+
+    def __init__(self, items: Mapping[Any, float] | Iterable[tuple[Any, float]] = ()) -> None:
+        pairs = dict(items)
+        self._keys, self._index = _layout(tuple(pairs))
+        self._values = array("d", pairs.values())
+
+    def __getitem__(self, key: Any) -> float:
+        return self._values[self._index[key]]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def pairs(self) -> Iterator[tuple[Any, float]]:
+        """(key, value) of each reading, faster than ``items()``."""
+        return zip(self._keys, self._values, strict=True)
+
+    def __repr__(self) -> str:
+        return f"Readings({dict(self)!r})"
+
+
+class LinkReadings(Mapping[int, Mapping[str, float]]):
+    """Per-link readings (link -> key -> value), kept as one :class:`Readings`."""
+
+    __slots__ = ("_flat", "_links")
+
+    def __init__(self, links: Mapping[int, Mapping[str, float]] | None = None) -> None:
+        links = links or {}
+        self._links = tuple(sorted(link for link, values in links.items() if values))
+        self._flat = Readings(
+            ((link, key), value) for link in self._links for key, value in links[link].items()
+        )
+
+    def value(self, link: int, key: str) -> float | None:
+        """The reading ``key`` of ``link``; None when it has none."""
+        return self._flat.get((link, key))
+
+    def __getitem__(self, link: int) -> Mapping[str, float]:
+        if link not in self._links:
+            raise KeyError(link)
+        return {key: value for (at, key), value in self._flat.items() if at == link}
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._links)
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+    def pairs(self) -> Iterator[tuple[tuple[int, str], float]]:
+        """((link, key), value) of each reading, link by link."""
+        return self._flat.pairs()
+
+    def __repr__(self) -> str:
+        return f"LinkReadings({dict(self.items())!r})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +202,7 @@ class Gpu:
     #: a reading the GPU does not support, or that failed, is left out.
     fields: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
     #: Per-link readings of ``core.fields``: link number -> key -> value.
-    nvlink: Mapping[int, Mapping[str, float]] = field(default_factory=lambda: _EMPTY)
+    nvlink: LinkReadings = field(default_factory=LinkReadings)
     #: When the ``slow`` readings (and the fan and the memory and video clocks) shown were read,
     #: wall clock; None when none was.
     slow_read_at: float | None = None
