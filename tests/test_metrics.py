@@ -150,3 +150,47 @@ def test_process_sm_utilization_has_the_process_labels_and_is_absent_when_unknow
     assert one(found, "gpu_process_sm_utilization_ratio", gpu="0", pid=parent) == 0  # idle
     assert {s.labels["gpu"] for s in series} == {"0"}  # GPU 1's processes: unknown, absent
     assert {s.labels["gpu"] for s in memory} == {"0", "1"}
+
+
+def test_the_text_is_what_prometheus_client_writes(simulated, collector):
+    """exposition/text.py writes the text format itself (for speed): byte for byte
+    prometheus_client's, on every family the agent renders, odd label values included."""
+    from dataclasses import replace
+
+    from prometheus_client.exposition import generate_latest
+
+    from exporter.core.snapshot import GpuProcess
+    from exporter.exposition.metrics import gpu_families, process_families, self_families
+    from exporter.exposition.text import render_text
+
+    simulated(SCENARIO.replace("name: NVIDIA H100 80GB HBM3", "name: 'H100 \\\\ \"x\"'"))
+    snap = collector.sample()
+    odd = GpuProcess(7, "compute", 1, True, name='a"b\\c\nd', user="ü")
+    gpus = (replace(snap.gpus[0], processes=(odd,)), *snap.gpus[1:])
+    snap = replace(snap, gpus=gpus)
+    stats = SelfStats(interval_seconds=5)
+    stats.count(snap, deadline=5)
+    families = [*gpu_families(snap), *self_families(snap, stats), *process_families()]
+    families = [f for f in families if f.samples]
+
+    class Registry:
+        def collect(self):
+            return iter(families)
+
+    assert render_text(families) == generate_latest(Registry())
+    assert b'process="a\\"b\\\\c\\nd"' in render_text(families)
+
+
+def test_openmetrics_carries_the_readings(simulated, collector):
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    from exporter.exposition.metrics import OPENMETRICS_EOF
+
+    simulated("gpus: [{nvlink: {links: 2}, fields: {row_remap_pending: 1}}]\n")
+    exposition = render(collector.sample(), SelfStats(interval_seconds=5))
+    text = (exposition.openmetrics() + OPENMETRICS_EOF).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["gpu_row_remap_pending"].samples[0].value == 1
+    assert families["gpu_nvlink_errors"].type == "counter"
+    links = {s.labels["link"] for s in families["gpu_nvlink_up"].samples}
+    assert links == {"0", "1"}

@@ -13,18 +13,19 @@ from __future__ import annotations
 import math
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.process_collector import ProcessCollector
 
 from exporter import __version__
 from exporter.core.fields import READINGS
-from exporter.core.snapshot import Gpu, GpuProcess, Snapshot
+from exporter.core.snapshot import Gpu, GpuProcess, LinkReadings, Readings, Snapshot
 from exporter.core.xid import describe_xid
+from exporter.exposition.text import Family as Rows
+from exporter.exposition.text import has_samples, render_text
 from exporter.sampling.stats import SelfStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -43,6 +44,8 @@ INFO_LABELS = [
     "cuda_version",
 ]
 PROCESS_LABELS = ["gpu", "uuid", "pid", "user", "process", "type"]
+#: A family to render: prometheus_client's, or one of rows (exposition/text.py).
+AnyFamily = Metric | Rows
 #: The metric families that take series (prometheus_client's Metric base class does not).
 Family = GaugeMetricFamily | CounterMetricFamily
 
@@ -50,24 +53,25 @@ Family = GaugeMetricFamily | CounterMetricFamily
 class _Families:
     """The ``collect()`` interface generate_latest expects, over a fixed list of families."""
 
-    def __init__(self, families: Iterable[Metric]) -> None:
+    def __init__(self, families: Iterable[AnyFamily]) -> None:
         self._families = list(families)
 
     def collect(self) -> Iterator[Metric]:
-        return iter(self._families)
+        # a Family of rows quacks like a Metric (name, documentation, type, unit, samples)
+        return iter(self._families)  # type: ignore[arg-type]
 
 
 class Exposition(bytes):
     """The text exposition of some metric families (leaving out those without samples); the
     same families in OpenMetrics come from :meth:`openmetrics`, rendered on first use, once."""
 
-    _families: tuple[Metric, ...]
+    _families: tuple[AnyFamily, ...]
     _openmetrics: bytes | None
     _lock: threading.Lock
 
-    def __new__(cls, families: Iterable[Metric]) -> Exposition:
-        kept = tuple(f for f in families if f.samples)
-        self = super().__new__(cls, generate_latest(_Families(kept)))
+    def __new__(cls, families: Iterable[AnyFamily]) -> Exposition:
+        kept = tuple(f for f in families if has_samples(f))
+        self = super().__new__(cls, render_text(kept))
         self._families, self._openmetrics, self._lock = kept, None, threading.Lock()
         return self
 
@@ -81,7 +85,7 @@ class Exposition(bytes):
         return self._openmetrics
 
 
-def _openmetrics(families: Iterable[Metric]) -> bytes:
+def _openmetrics(families: Iterable[AnyFamily]) -> bytes:
     text = generate_openmetrics(_Families(families))
     return text[: -len(OPENMETRICS_EOF)] if text.endswith(OPENMETRICS_EOF) else text
 
@@ -96,7 +100,7 @@ def openmetrics(exposition: bytes) -> bytes:
     return _openmetrics(text_string_to_metric_families(exposition.decode()))
 
 
-def render_families(families: Iterable[Metric]) -> Exposition:
+def render_families(families: Iterable[AnyFamily]) -> Exposition:
     """Exposition text of ``families``, leaving out those without samples."""
     return Exposition(families)
 
@@ -145,7 +149,7 @@ def _process_count(gpu: Gpu) -> int | None:
     return len({p.pid for p in gpu.processes}) if gpu.processes is not None else None
 
 
-def gpu_families(snapshot: Snapshot) -> list[Metric]:
+def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
     """Every ``gpu_*`` and ``gpu_process_*`` family of one Snapshot."""
     host = snapshot.host
     info = _gauge("gpu_info", "Identity of a GPU; always 1.", INFO_LABELS)
@@ -286,30 +290,44 @@ def gpu_families(snapshot: Snapshot) -> list[Metric]:
     ]
 
 
-def reading_families(gpus: list[Gpu]) -> list[Family]:
+def reading_families(gpus: list[Gpu]) -> list[Rows]:
     """One family per metric of ``core.fields``' table, in its order: each GPU's value of every
     reading of the family (per link for NVLink readings); a reading the GPU lacks has none."""
-    families: dict[str, Family] = {}
+    families: dict[str, Rows] = {}
+    route: dict[str, tuple[Rows, tuple[str, ...]]] = {}  # reading key -> family, fixed labels
     for reading in READINGS:
         family = families.get(reading.family)
         if family is None:
             labels = [*GPU_LABELS, *(["link"] if reading.per_link else [])]
             labels += [name for name, _ in reading.labels]
-            make = _counter if reading.kind == "counter" else _gauge
-            family = families[reading.family] = make(reading.family, reading.help, labels)
-        fixed = [value for _, value in reading.labels]
-        for gpu in gpus:
-            ids = [str(gpu.index), gpu.uuid]
-            if reading.per_link:
-                for link, values in gpu.nvlink.items():
-                    if reading.key in values:
-                        family.add_metric([*ids, str(link), *fixed], values[reading.key])
-                continue
-            source = gpu.info.fields if reading.cadence == "static" and gpu.info else gpu.fields
-            value = source.get(reading.key)
-            if value is not None:
-                family.add_metric([*ids, *fixed], value)
+            families[reading.family] = family = Rows(
+                reading.family, reading.help, reading.kind, labels
+            )
+        route[reading.key] = (family, tuple(value for _, value in reading.labels))
+    for gpu in gpus:
+        ids = (str(gpu.index), gpu.uuid)
+        static = gpu.info.fields if gpu.info is not None else {}
+        for key, value in (*_pairs(static), *_pairs(gpu.fields)):
+            found = route.get(key)
+            if found is not None:
+                found[0].add((*ids, *found[1]), value)
+        for (link, key), value in _link_pairs(gpu.nvlink):
+            found = route.get(key)
+            if found is not None:
+                found[0].add((*ids, str(link), *found[1]), value)
     return list(families.values())
+
+
+def _pairs(values: Mapping[str, float]) -> Iterable[tuple[str, float]]:
+    return values.pairs() if isinstance(values, Readings) else values.items()
+
+
+def _link_pairs(
+    links: Mapping[int, Mapping[str, float]],
+) -> Iterable[tuple[tuple[int, str], float]]:
+    if isinstance(links, LinkReadings):
+        return links.pairs()
+    return (((link, key), v) for link, values in links.items() for key, v in values.items())
 
 
 def xid_families(gpus: Iterable[Gpu]) -> list[Family]:
