@@ -15,6 +15,7 @@ import ctypes
 import functools
 import itertools
 import shutil
+import struct
 import threading
 import time
 import types
@@ -81,6 +82,21 @@ for _reading in FIELD_READINGS:
 _ANSWER_TAIL = {
     "nvmlDeviceGetEncoderUtilization": (167_000,),
     "nvmlDeviceGetDecoderUtilization": (167_000,),
+}
+#: Where a ``c_nvmlFieldValue_t``'s members lie: its size, and the offsets of (fieldId,
+#: scopeId), timestamp, (valueType, nvmlReturn) and value.
+_FV = pynvml.c_nvmlFieldValue_t
+_FIELD_OFFSETS = (
+    ctypes.sizeof(_FV),
+    _FV.fieldId.offset,
+    _FV.timestamp.offset,
+    _FV.valueType.offset,
+    _FV.value.offset,
+)
+_TWO_UINTS, _INT64 = struct.Struct("=II"), struct.Struct("=q")
+_VALUE_OF = {
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: struct.Struct("=I"),
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: struct.Struct("=Q"),
 }
 #: How long one pass of a blocking event wait sleeps at most (the scenario clock is checked
 #: between passes, so a test's clock moves delivery along).
@@ -184,6 +200,8 @@ class SimulatedDriver:
             for i, gpu in enumerate(scenario.gpus)
         }
         self._xid_wakeup = threading.Condition()
+        #: (GPU, requested fields) -> how each entry is answered (see _field_plan).
+        self._plans: dict[tuple[int, tuple[Any, ...]], list[Any]] = {}
         #: One pynvml device pointer per GPU: what an event names its GPU by (a ctypes handle,
         #: as a real driver's), resolved back to the GPU by any function given it.
         self._devices = [pynvml.struct_c_nvmlDevice_t() for _ in scenario.gpus]
@@ -353,27 +371,7 @@ class SimulatedDriver:
 
     def reading_value(self, h: _Handle, reading: Reading, link: int | None) -> float:
         """What the GPU reads for ``reading`` now, in base units (``link``: of that link)."""
-        gpu, t = h.gpu, self.now()
-        key = reading.key
-        if key in ("power", "power_instant"):
-            return gpu.power.at(t)
-        if key == "energy":
-            return self._energy_joules(h)
-        if key == "memory_temperature":
-            return gpu.memory_temperature.at(t)
-        if key in ("ecc_corrected", "ecc_aggregate_corrected") and key not in gpu.fields:
-            return gpu.ecc_corrected.at(t)
-        if key in ("ecc_uncorrected", "ecc_aggregate_uncorrected") and key not in gpu.fields:
-            return gpu.ecc_uncorrected.at(t)
-        if link is not None:
-            if key == "nvlink_up" and any(
-                down == link and window.holds(t) for down, window in gpu.nvlink_down
-            ):
-                return 0.0
-            value = gpu.link_fields.get(link, {}).get(key) or gpu.fields.get(key)
-        else:
-            value = gpu.fields.get(key)
-        return value.at(t) if value is not None else reading.simulated
+        return self._reader(h, reading, link)()
 
     def _energy_joules(self, h: _Handle) -> float:
         t = self.now()
@@ -440,13 +438,21 @@ class SimulatedDriver:
             return round(at(h.gpu.temperature))
 
         def field_values(h: _Handle, ids: list[Any]) -> Any:
-            # pynvml's own array of its own structure, filled as the driver fills it
+            # pynvml's own array of its own structure, its memory filled as the driver fills
+            # it (member by member through pynvml's classes would cost this process more
+            # than the driver's C does, and the benchmark counts it as the agent's)
             values = (pynvml.c_nvmlFieldValue_t * len(ids))()
-            for i, request in enumerate(ids):
-                field_id, scope = request if isinstance(request, tuple) else (request, 0)
-                values[i].fieldId, values[i].scopeId = field_id, scope
-                values[i].timestamp = self._epoch_us + round(self.now() * 1e6)
-                self._fill_field(h, values[i], int(field_id), int(scope))
+            raw = memoryview(values).cast("B")
+            stamp = self._epoch_us + round(self.now() * 1e6)
+            size, ids_at, stamp_at, head_at, value_at = _FIELD_OFFSETS
+            for i, (field_id, scope, answer) in enumerate(self._field_plan(h, ids)):
+                code, kind, number = answer()
+                base = i * size
+                _TWO_UINTS.pack_into(raw, base + ids_at, field_id, scope)
+                _INT64.pack_into(raw, base + stamp_at, stamp)
+                _TWO_UINTS.pack_into(raw, base + head_at, kind, code)
+                if not code:
+                    _VALUE_OF[kind].pack_into(raw, base + value_at, number)
             return values
 
         def power(h: _Handle) -> int:
@@ -570,39 +576,85 @@ class SimulatedDriver:
                 fakes[f"nvmlDevice{fn}RunningProcesses{version}"] = processes(kind)
         return fakes
 
-    def _fill_field(self, h: _Handle, value: Any, field_id: int, scope: int) -> None:
-        """One entry of a field-value answer: the value, or the entry's own error."""
+    def _field_plan(
+        self, h: _Handle, ids: list[Any]
+    ) -> list[tuple[int, int, Callable[[], tuple[int, int, int]]]]:
+        """(field id, scope, what answers the entry) for each requested field, made once per
+        GPU and list of requests (the agent asks for the same ones sample after sample)."""
+        key = (h.index, tuple(ids))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = []
+            for request in ids:
+                field_id, scope = request if isinstance(request, tuple) else (request, 0)
+                plan.append((int(field_id), int(scope), self._field_answer(h, field_id, scope)))
+            if len(self._plans) > 64:  # a test's odd requests must not pile up
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def _field_answer(
+        self, h: _Handle, field_id: int, scope: int
+    ) -> Callable[[], tuple[int, int, int]]:
+        """What answers one entry of a field-value answer: (return code, value type, value)."""
         gpu = h.gpu
+        unsigned, ull = (
+            pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
+            pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
+        )
         if field_id == readings.NVLINK_LINK_COUNT:
-            value.valueType, value.value.uiVal = (
-                pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
-                gpu.nvlink_links,
-            )
-            return
+            return lambda: (0, unsigned, gpu.nvlink_links)
         found = _BY_FIELD_ID.get(field_id)
         if found is None:
-            value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
-            return
+            return lambda: (pynvml.NVML_ERROR_NOT_SUPPORTED, 0, 0)
         reading, link = found
         if reading.per_link and link is None:
             link = scope
         if reading.per_link and (link is None or link >= gpu.nvlink_links):
-            value.nvmlReturn = pynvml.NVML_ERROR_INVALID_ARGUMENT
-            return
+            return lambda: (pynvml.NVML_ERROR_INVALID_ARGUMENT, 0, 0)
         if reading.requires_ecc and not gpu.ecc_enabled:
-            value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
-            return
-        error = self._entry_error(gpu, reading.key, self.now())
-        if error:
-            value.nvmlReturn = error
-            return
-        number = self.reading_value(h, reading, link)
-        if reading.equals is not None:
-            raw = reading.equals if number else 0
-        else:
-            raw = round(max(number, 0.0) / reading.scale)
-        value.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
-        value.value.ullVal = int(raw)
+            return lambda: (pynvml.NVML_ERROR_NOT_SUPPORTED, 0, 0)
+        read = self._reader(h, reading, link)
+        erring = reading.key in self.scenario.missing_fields or reading.key in gpu.unsupported
+        erring = erring or any(e.field == reading.key for e in gpu.errors)
+        equals, scale = reading.equals, reading.scale
+
+        def answer() -> tuple[int, int, int]:
+            if erring:
+                error = self._entry_error(gpu, reading.key, self.now())
+                if error:
+                    return error, 0, 0
+            number = read()
+            if equals is not None:
+                return 0, ull, equals if number else 0
+            return 0, ull, round(max(number, 0.0) / scale)
+
+        return answer
+
+    def _reader(self, h: _Handle, reading: Reading, link: int | None) -> Callable[[], float]:
+        """What reads ``reading`` (of ``link``) now, in base units."""
+        gpu, key, now = h.gpu, reading.key, self.now
+        if key in ("power", "power_instant"):
+            return lambda: gpu.power.at(now())
+        if key == "energy":
+            return lambda: self._energy_joules(h)
+        if key == "memory_temperature":
+            return lambda: gpu.memory_temperature.at(now())
+        if key in ("ecc_corrected", "ecc_aggregate_corrected") and key not in gpu.fields:
+            return lambda: gpu.ecc_corrected.at(now())
+        if key in ("ecc_uncorrected", "ecc_aggregate_uncorrected") and key not in gpu.fields:
+            return lambda: gpu.ecc_uncorrected.at(now())
+        value = gpu.fields.get(key)
+        if link is not None:
+            value = gpu.link_fields.get(link, {}).get(key) or value
+            windows = [window for down, window in gpu.nvlink_down if down == link]
+            if key == "nvlink_up" and windows:
+                up = value.at if value is not None else lambda t: reading.simulated
+                return lambda: 0.0 if any(w.holds(now()) for w in windows) else up(now())
+        if value is None:
+            return lambda: reading.simulated
+        at = value.at
+        return lambda: at(now())
 
     def _event_wait(self, event_set: _EventSet, timeout_ms: int) -> Any:
         """``nvmlEventSetWait_v2``: the next XID of a registered GPU since it was registered,
