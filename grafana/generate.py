@@ -5,12 +5,15 @@ The JSON is generated: edit this file, run ``python grafana/generate.py``, and c
 Standard library only. ``--output PATH`` writes somewhere else (the tests compare the two).
 
 Layout: ``ROWS`` below declares every row and panel, in order, with a fixed id each (rows are
-100, 200, ...; their panels 101, 102, ...), so that links to a panel survive edits. Panels flow
-left to right in a 24-column grid and wrap; only width and height are given.
+100, 200, ...; their panels 101, 102, ...), so that links to a panel survive edits. The ids are
+not positions: a new row takes the next free hundred wherever it goes (Health, 500, comes before
+Agent health, 400). Panels flow left to right in a 24-column grid and wrap; only width and height
+are given.
 
 Every query selects ``job="gpu-exporter"`` and the ``$instance`` variable, and GPU series also the
 ``$gpu`` variable (``sel()``); legends name the GPU as ``{{instance}} GPU {{gpu}}``. Units are the
-base units the exporter uses: bytes, celsius, watt, percentunit (0-1 ratios), s.
+base units the exporter uses: bytes, celsius, watt, percentunit (0-1 ratios), s; rates of them
+are binBps (bytes/s) and cps (events/s).
 """
 
 from __future__ import annotations
@@ -254,12 +257,14 @@ def table(
     w: int = 24,
     h: int = 8,
     units: dict[str, str] | None = None,
+    mappings: dict[str, list[dict[str, Any]]] | None = None,
 ) -> Panel:
     """An instant query in table format: one row per series, its labels as columns.
 
     Several queries (``expr`` a list; refs A, B, ...) are merged into one row per label set,
     their values in the columns ``Value #A``, ``Value #B``, ...; ``units`` gives a column (by its
-    name after ``rename``) a unit of its own.
+    name after ``rename``) a unit of its own, ``mappings`` value mappings (``mapping()``) shown as
+    colored text.
     """
     exprs = [expr] if isinstance(expr, str) else expr
     defaults = {
@@ -279,6 +284,16 @@ def table(
     overrides = [
         {"matcher": {"id": "byName", "options": name}, "properties": [{"id": "unit", "value": u}]}
         for name, u in (units or {}).items()
+    ]
+    overrides += [
+        {
+            "matcher": {"id": "byName", "options": name},
+            "properties": [
+                {"id": "mappings", "value": states},
+                {"id": "custom.cellOptions", "value": {"type": "color-text"}},
+            ],
+        }
+        for name, states in (mappings or {}).items()
     ]
     out = panel("table", pid, title, targets, w, h, description, defaults, options, overrides)
     # Prometheus' table format already makes each label a column; organize orders and names them.
@@ -369,6 +384,357 @@ LAST_SUCCESS = sel("gpu_exporter_action_last_success_timestamp_seconds", gpu=Fal
 OFF_ON = mapping((0, "no", "transparent"), (1, "active", "red"))
 HTTP_ERRORS = sel("gpu_exporter_http_requests_total", 'code=~"[45].."', gpu=False)
 PROCESS_COLUMNS = ["instance", "gpu", "uuid", "pid", "user", "process", "type"]
+
+# --- the Health row: XIDs, memory repair, PCIe, NVLink, clock limits, media engines -------------
+
+GPU_KEY = "instance, gpu, uuid"
+XIDS = sel("gpu_xid_errors_total")
+#: gpu_recovery_action's values (NVML's nvmlDeviceGpuRecoveryAction_t; 5-7 are NVML 13's).
+RECOVERY_ACTIONS = mapping(
+    (0, "none", "green"),
+    (1, "GPU reset", "orange"),
+    (2, "node reboot", "red"),
+    (3, "drain P2P", "orange"),
+    (4, "drain and reset", "red"),
+    (5, "recover IMEX domain", "orange"),
+    (6, "bus reset", "orange"),
+    (7, "system reboot", "red"),
+)
+NO_YES = mapping((0, "no", "green"), (1, "yes", "red"))
+NO_PENDING = mapping((0, "no", "green"), (1, "pending", "orange"))
+#: 1 while a repair waits for a GPU reset (or, for retired pages, a driver reload).
+REPAIR_PENDING = (
+    "gpu_row_remap_pending",
+    "gpu_bank_remap_pending",
+    "gpu_retired_pages_pending",
+    "gpu_repair_pending",
+)
+#: 1 when the memory cannot be repaired any more: the board is to be replaced.
+REPAIR_FAILED = ("gpu_row_remap_failed", "gpu_memory_unrepairable")
+
+
+def xids_in(window: str) -> str:
+    """XIDs per GPU, code and resolution in the ``window`` up to now.
+
+    A code's series starts at 1 with its first XID, and increase() sees nothing before a
+    series' first sample: a series that did not exist ``window`` ago counts whole (as the alert
+    rules do).
+    """
+    return (
+        f"sum by ({GPU_KEY}, xid, resolution) "
+        f"(({XIDS} unless {XIDS} offset {window}) or increase({XIDS}[{window}]))"
+    )
+
+
+def gpus_with(metrics: tuple[str, ...]) -> str:
+    """How many GPUs have any of ``metrics`` at 1 (0 when none)."""
+    flags = " or ".join(f"{sel(m)} == 1" for m in metrics)
+    return f"count(max by ({GPU_KEY}) ({flags})) or vector(0)"
+
+
+def per_gpu(metric: str, extra: str = "") -> str:
+    """``metric`` with only the GPU's labels (instance, gpu, uuid), for tables that merge."""
+    return f"max by ({GPU_KEY}) ({sel(metric, extra)})"
+
+
+def per_second(metric: str, extra: str = "") -> str:
+    """rate() of the counter ``metric``: per second."""
+    return f"rate({sel(metric, extra)}[$__rate_interval])"
+
+
+#: Memory repair per GPU: (column, query, value mappings or None).
+MEMORY_REPAIR_COLUMNS: list[tuple[str, str, list[dict[str, Any]] | None]] = [
+    ("remapped rows (correctable)", per_gpu("gpu_remapped_rows", 'cause="correctable"'), None),
+    (
+        "remapped rows (uncorrectable)",
+        per_gpu("gpu_remapped_rows", 'cause="uncorrectable"'),
+        None,
+    ),
+    ("row remap pending", per_gpu("gpu_row_remap_pending"), NO_PENDING),
+    ("row remap failed", per_gpu("gpu_row_remap_failed"), NO_YES),
+    ("retired pages (single bit)", per_gpu("gpu_retired_pages", 'cause="single_bit"'), None),
+    ("retired pages (double bit)", per_gpu("gpu_retired_pages", 'cause="double_bit"'), None),
+    ("retirement pending", per_gpu("gpu_retired_pages_pending"), NO_PENDING),
+    ("bank remap pending", per_gpu("gpu_bank_remap_pending"), NO_PENDING),
+    ("channel/TPC repair pending", per_gpu("gpu_repair_pending"), NO_PENDING),
+    ("unrepairable", per_gpu("gpu_memory_unrepairable"), NO_YES),
+    (
+        "uncorrected ECC (lifetime)",
+        per_gpu("gpu_ecc_errors_aggregate_total", 'type="uncorrected"'),
+        None,
+    ),
+    ("recovery action", per_gpu("gpu_recovery_action"), RECOVERY_ACTIONS),
+]
+_MEMORY_VALUES = [f"Value #{chr(ord('A') + i)}" for i in range(len(MEMORY_REPAIR_COLUMNS))]
+
+HEALTH: list[Panel] = [
+    stat(
+        501,
+        "XIDs (24h)",
+        f"round(sum({xids_in('1d')})) or vector(0)",
+        "none",
+        "XID errors the driver reported on the selected GPUs in the last 24 hours, every "
+        "resolution (ignore too). XIDs from before the agent started are not seen: dmesg has "
+        "them.",
+        steps=thresholds((None, "green"), (1, "orange")),
+        sparkline=False,
+    ),
+    stat(
+        502,
+        "GPUs without XID events",
+        f"count({sel('gpu_xid_events_supported')} == 0) or vector(0)",
+        "none",
+        "GPUs whose driver does not deliver XID events (gpu_xid_events_supported == 0): their "
+        "XIDs are not counted here.",
+        steps=thresholds((None, "green"), (1, "orange")),
+        sparkline=False,
+    ),
+    stat(
+        503,
+        "GPUs with a repair pending",
+        gpus_with(REPAIR_PENDING),
+        "none",
+        "GPUs with a row remapping, bank remapping or channel/TPC repair waiting for a GPU "
+        "reset, or a page retirement waiting for a driver reload.",
+        steps=thresholds((None, "green"), (1, "orange")),
+        sparkline=False,
+    ),
+    stat(
+        504,
+        "GPUs with failed memory repair",
+        gpus_with(REPAIR_FAILED),
+        "none",
+        "GPUs whose row remapping failed or whose memory the driver marks unrepairable: "
+        "the board is to be replaced.",
+        steps=thresholds((None, "green"), (1, "red")),
+        sparkline=False,
+    ),
+    stat(
+        505,
+        "GPUs needing recovery",
+        f"count({sel('gpu_recovery_action')} > 0) or vector(0)",
+        "none",
+        "GPUs for which the driver asks for a recovery action (gpu_recovery_action > 0): "
+        "a GPU reset, a node reboot, draining peer-to-peer traffic. See Recovery action.",
+        steps=thresholds((None, "green"), (1, "red")),
+        sparkline=False,
+    ),
+    stat(
+        506,
+        "NVLink links down",
+        f"count({sel('gpu_nvlink_up')} == 0) or vector(0)",
+        "none",
+        "NVLink links of the selected GPUs that are not active (gpu_nvlink_up == 0).",
+        steps=thresholds((None, "green"), (1, "red")),
+        sparkline=False,
+    ),
+    timeseries(
+        507,
+        "XID errors by code",
+        [
+            target(
+                xids_in("$__rate_interval"),
+                GPU_LEGEND + " XID {{xid}} {{resolution}}",
+            ),
+        ],
+        "none",
+        "XIDs per GPU, code and resolution (what NVIDIA's catalog says to do: restart_app, "
+        "reset_gpu, reboot, check_workflow, ignore, unknown). The first XID of a code since "
+        "the agent started counts too. No data: no XID since the agent started.",
+        bars=True,
+        stack=True,
+        min_value=0,
+    ),
+    table(
+        508,
+        "XID errors in the last 24 hours",
+        f"round({xids_in('1d')}) > 0",
+        ["instance", "gpu", "uuid", "xid", "resolution", "Value"],
+        "XIDs of the last 24 hours by GPU, code and resolution, most first. The catalog's "
+        "mnemonic of each is in the agent's log and in /snapshot.",
+        hide=[],
+        rename={"Value": "XIDs"},
+        sort_by="XIDs",
+        w=12,
+    ),
+    table(
+        509,
+        "Memory repair per GPU",
+        [query for _, query, _ in MEMORY_REPAIR_COLUMNS],
+        ["instance", "gpu", "uuid", *_MEMORY_VALUES],
+        "Memory repair state of every selected GPU, now. Ampere and newer remap rows, older "
+        "GPUs retire pages, so one of the two is empty; bank and channel/TPC repairs and "
+        "unrepairable need NVML 13. pending: a GPU reset (for retired pages a driver reload) "
+        "applies it.",
+        hide=[],
+        rename=dict(zip(_MEMORY_VALUES, [c for c, _, _ in MEMORY_REPAIR_COLUMNS], strict=True)),
+        sort_by="recovery action",
+        mappings={c: m for c, _, m in MEMORY_REPAIR_COLUMNS if m is not None},
+    ),
+    timeseries(
+        510,
+        "Remapped rows and retired pages",
+        [
+            target(sel("gpu_remapped_rows"), GPU_LEGEND + " remapped rows {{cause}}"),
+            target(sel("gpu_retired_pages"), GPU_LEGEND + " retired pages {{cause}}", ref="B"),
+        ],
+        "none",
+        "Memory rows remapped (Ampere and newer) and pages retired (older GPUs), by the kind "
+        "of error behind them. A few correctable ones are normal; uncorrectable ones mean "
+        "lost data.",
+        w=8,
+        min_value=0,
+    ),
+    timeseries(
+        511,
+        "ECC errors",
+        [
+            target(
+                f"increase({sel('gpu_ecc_errors_total')}[$__rate_interval])",
+                GPU_LEGEND + " {{type}}",
+            ),
+        ],
+        "none",
+        "ECC errors (volatile counters, since the driver was loaded) where ECC is on.",
+        w=8,
+        bars=True,
+        min_value=0,
+    ),
+    state_timeline(
+        512,
+        "Recovery action",
+        sel("gpu_recovery_action"),
+        GPU_LEGEND,
+        RECOVERY_ACTIONS,
+        "What the driver says each GPU needs: none, a GPU reset, a node reboot, draining "
+        "peer-to-peer (NVLink) traffic, or draining and a reset (NVML 13 adds IMEX domain "
+        "recovery, bus reset, system reboot).",
+        w=8,
+    ),
+    timeseries(
+        513,
+        "PCIe traffic",
+        [
+            target(per_second("gpu_pcie_transmit_bytes_total"), GPU_LEGEND + " transmit"),
+            target(per_second("gpu_pcie_receive_bytes_total"), GPU_LEGEND + " receive", ref="B"),
+        ],
+        "binBps",
+        "Bytes per second each GPU sends and receives over PCIe.",
+        min_value=0,
+    ),
+    timeseries(
+        514,
+        "PCIe errors per second",
+        [
+            target(per_second("gpu_pcie_replay_errors_total"), GPU_LEGEND + " replays"),
+            target(per_second("gpu_pcie_errors_total"), GPU_LEGEND + " {{type}}", ref="B"),
+        ],
+        "cps",
+        "PCIe replays (packets sent again after a link error) and PCIe errors by type, per "
+        "second. Steady replays or correctable errors point at a riser, a cable or a slot.",
+        min_value=0,
+    ),
+    timeseries(
+        515,
+        "PCIe link generation vs max",
+        [
+            target(sel("gpu_pcie_link_generation"), GPU_LEGEND),
+            target(sel("gpu_pcie_link_generation_max"), f"{GPU_LEGEND} max", ref="B"),
+        ],
+        "none",
+        "PCIe generation each link runs at; the dashed lines are the highest the GPU and its "
+        "slot support. It drops at idle to save power: below the max under load is the sign.",
+        overrides=[dashed("B")],
+        min_value=0,
+    ),
+    timeseries(
+        516,
+        "PCIe link width vs max",
+        [
+            target(sel("gpu_pcie_link_width"), GPU_LEGEND),
+            target(sel("gpu_pcie_link_width_max"), f"{GPU_LEGEND} max", ref="B"),
+        ],
+        "none",
+        "PCIe lanes each link runs with; the dashed lines are the most the GPU and its slot "
+        "support. A link narrower than its max has a lane problem (seating, riser, slot).",
+        overrides=[dashed("B")],
+        min_value=0,
+    ),
+    timeseries(
+        517,
+        "NVLink traffic per link",
+        [
+            target(
+                per_second("gpu_nvlink_transmit_bytes_total"),
+                GPU_LEGEND + " link {{link}} transmit",
+            ),
+            target(
+                per_second("gpu_nvlink_receive_bytes_total"),
+                GPU_LEGEND + " link {{link}} receive",
+                ref="B",
+            ),
+        ],
+        "binBps",
+        "Data bytes per second each NVLink link sends and receives. GPUs without NVLink have "
+        "no series.",
+        min_value=0,
+    ),
+    timeseries(
+        518,
+        "NVLink errors per link and type",
+        [
+            target(
+                per_second("gpu_nvlink_errors_total"),
+                GPU_LEGEND + " link {{link}} {{type}}",
+            ),
+        ],
+        "cps",
+        "NVLink errors per second by link and type: flit and data CRC errors, replays, recoveries.",
+        min_value=0,
+    ),
+    timeseries(
+        519,
+        "NVLink links down per GPU",
+        [
+            target(f"sum by ({GPU_KEY}) ({sel('gpu_nvlink_up')} == bool 0)", GPU_LEGEND),
+        ],
+        "none",
+        "NVLink links of each GPU that are not active; 0 when all are up.",
+        min_value=0,
+    ),
+    table(
+        520,
+        "Down NVLink links",
+        f"{sel('gpu_nvlink_up')} == 0",
+        ["instance", "gpu", "uuid", "link"],
+        "Each NVLink link that is not active now. Empty: every link is up.",
+        hide=["Value"],
+        w=12,
+    ),
+    timeseries(
+        521,
+        "Share of time throttled by reason",
+        [
+            target(per_second("gpu_clock_event_seconds_total"), GPU_LEGEND + " {{reason}}"),
+        ],
+        "percentunit",
+        "rate() of gpu_clock_event_seconds_total: the share of time each reason held the "
+        "clocks down. The reasons overlap (total_applications_clocks and total_base_clocks "
+        "sum the others), so they are not stacked; low_utilization is an idle GPU.",
+        min_value=0,
+    ),
+    timeseries(
+        522,
+        "Video encoder and decoder utilization",
+        [
+            target(sel("gpu_encoder_utilization_ratio"), GPU_LEGEND + " encoder"),
+            target(sel("gpu_decoder_utilization_ratio"), GPU_LEGEND + " decoder", ref="B"),
+        ],
+        "percentunit",
+        "Share of time the video encoder (NVENC) and decoder (NVDEC) were busy.",
+        min_value=0,
+    ),
+]
 
 ROWS: list[tuple[int, str, list[Panel]]] = [
     (
@@ -673,6 +1039,7 @@ ROWS: list[tuple[int, str, list[Panel]]] = [
             ),
         ],
     ),
+    (500, "Health", HEALTH),
     (
         400,
         "Agent health",
@@ -989,8 +1356,8 @@ def dashboard() -> dict[str, Any]:
                 }
             ]
         },
-        "description": "NVIDIA GPUs, processes, actions and agent health from gpu-exporter. "
-        "Generated by grafana/generate.py.",
+        "description": "NVIDIA GPUs, processes, actions, GPU health (XIDs, memory repair, PCIe, "
+        "NVLink, throttling) and agent health from gpu-exporter. Generated by grafana/generate.py.",
         "editable": True,
         "fiscalYearStartMonth": 0,
         "graphTooltip": 1,

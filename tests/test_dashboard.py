@@ -1,18 +1,34 @@
-"""The Grafana dashboard: generated, well formed, and querying only documented metrics."""
+"""The Grafana dashboard: generated, well formed, and querying only documented metrics; its Health
+row on a real Prometheus scraping the agent on simulated GPUs with every health signal."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 import shutil
 import subprocess
 import sys
+import time
+import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from tests.dashboard import DASHBOARD, ROOT, dashboard_queries, iter_panels, load, substitute
+from tests.agent import free_port, healthz_until, http_get, serve, stderr_of
+from tests.dashboard import (
+    DASHBOARD,
+    HEALTH_SCENARIO,
+    ROOT,
+    dashboard_queries,
+    iter_panels,
+    load,
+    rows,
+    substitute,
+)
 
 GRAFANA = ROOT / "grafana"
 DATASOURCE_UID = "${datasource}"
@@ -86,6 +102,57 @@ REQUIRED = [
     ("Open file descriptors vs limit", "timeseries", "none", "process_open_fds"),
     ("Open file descriptors vs limit", "timeseries", "none", "process_max_fds"),
     ("Agent uptime", "timeseries", "s", "process_start_time_seconds"),
+    # Health
+    ("XIDs (24h)", "stat", "none", "gpu_xid_errors_total"),
+    ("GPUs without XID events", "stat", "none", "gpu_xid_events_supported"),
+    ("GPUs with a repair pending", "stat", "none", "gpu_row_remap_pending"),
+    ("GPUs with a repair pending", "stat", "none", "gpu_retired_pages_pending"),
+    ("GPUs with a repair pending", "stat", "none", "gpu_bank_remap_pending"),
+    ("GPUs with failed memory repair", "stat", "none", "gpu_row_remap_failed"),
+    ("GPUs with failed memory repair", "stat", "none", "gpu_memory_unrepairable"),
+    ("GPUs needing recovery", "stat", "none", "gpu_recovery_action"),
+    ("NVLink links down", "stat", "none", "gpu_nvlink_up"),
+    ("XID errors by code", "timeseries", "none", "gpu_xid_errors_total"),
+    ("XID errors in the last 24 hours", "table", None, "gpu_xid_errors_total"),
+    ("Memory repair per GPU", "table", None, "gpu_remapped_rows"),
+    ("Memory repair per GPU", "table", None, "gpu_row_remap_pending"),
+    ("Memory repair per GPU", "table", None, "gpu_row_remap_failed"),
+    ("Memory repair per GPU", "table", None, "gpu_retired_pages"),
+    ("Memory repair per GPU", "table", None, "gpu_memory_unrepairable"),
+    ("Memory repair per GPU", "table", None, "gpu_recovery_action"),
+    ("Remapped rows and retired pages", "timeseries", "none", "gpu_remapped_rows"),
+    ("Remapped rows and retired pages", "timeseries", "none", "gpu_retired_pages"),
+    ("ECC errors", "timeseries", "none", "gpu_ecc_errors_total"),
+    ("Recovery action", "state-timeline", None, "gpu_recovery_action"),
+    ("PCIe traffic", "timeseries", "binBps", "gpu_pcie_transmit_bytes_total"),
+    ("PCIe traffic", "timeseries", "binBps", "gpu_pcie_receive_bytes_total"),
+    ("PCIe errors per second", "timeseries", "cps", "gpu_pcie_replay_errors_total"),
+    ("PCIe errors per second", "timeseries", "cps", "gpu_pcie_errors_total"),
+    ("PCIe link generation vs max", "timeseries", "none", "gpu_pcie_link_generation_max"),
+    ("PCIe link width vs max", "timeseries", "none", "gpu_pcie_link_width_max"),
+    ("NVLink traffic per link", "timeseries", "binBps", "gpu_nvlink_transmit_bytes_total"),
+    ("NVLink traffic per link", "timeseries", "binBps", "gpu_nvlink_receive_bytes_total"),
+    ("NVLink errors per link and type", "timeseries", "cps", "gpu_nvlink_errors_total"),
+    ("NVLink links down per GPU", "timeseries", "none", "gpu_nvlink_up"),
+    ("Down NVLink links", "table", None, "gpu_nvlink_up"),
+    (
+        "Share of time throttled by reason",
+        "timeseries",
+        "percentunit",
+        "gpu_clock_event_seconds_total",
+    ),
+    (
+        "Video encoder and decoder utilization",
+        "timeseries",
+        "percentunit",
+        "gpu_encoder_utilization_ratio",
+    ),
+    (
+        "Video encoder and decoder utilization",
+        "timeseries",
+        "percentunit",
+        "gpu_decoder_utilization_ratio",
+    ),
 ]
 
 
@@ -208,7 +275,7 @@ def test_required_sections(dashboard: dict[str, Any]) -> None:
             assert unit in units, (title, units)
         assert any(metric in metric_names(t["expr"]) for t in panel["targets"]), title
     rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
-    assert rows == ["Fleet overview", "Processes", "Actions", "Agent health"]
+    assert rows == ["Fleet overview", "Processes", "Actions", "Health", "Agent health"]
 
 
 def test_specific_queries(dashboard: dict[str, Any]) -> None:
@@ -243,6 +310,64 @@ def test_specific_queries(dashboard: dict[str, Any]) -> None:
     assert fds["fieldConfig"]["defaults"]["custom"]["scaleDistribution"]["type"] == "log"
 
 
+def test_health_queries(dashboard: dict[str, Any]) -> None:
+    found = by_title(dashboard)
+
+    def exprs(title: str) -> list[str]:
+        return [t["expr"] for t in found[title]["targets"]]
+
+    # A code's series starts at 1 with its first XID, which increase() alone misses.
+    (timeline,) = exprs("XID errors by code")
+    assert "increase(gpu_xid_errors_total{" in timeline and "[$__rate_interval])" in timeline
+    assert "unless gpu_xid_errors_total{" in timeline and "offset $__rate_interval" in timeline
+    assert timeline.startswith("sum by (instance, gpu, uuid, xid, resolution) (")
+    assert found["XID errors by code"]["fieldConfig"]["defaults"]["custom"]["drawStyle"] == "bars"
+    (last_day,) = exprs("XID errors in the last 24 hours")
+    assert "offset 1d" in last_day and "[1d]" in last_day and last_day.endswith("> 0")
+    assert "offset 1d" in exprs("XIDs (24h)")[0]
+    # Counts of GPUs: 0, not "No data", when none is in that state.
+    for title in (
+        "XIDs (24h)",
+        "GPUs without XID events",
+        "GPUs with a repair pending",
+        "GPUs with failed memory repair",
+        "GPUs needing recovery",
+        "NVLink links down",
+    ):
+        assert exprs(title)[0].endswith(" or vector(0)"), title
+    # Rates per second of the byte and error counters.
+    for title in (
+        "PCIe traffic",
+        "PCIe errors per second",
+        "NVLink traffic per link",
+        "NVLink errors per link and type",
+        "Share of time throttled by reason",
+    ):
+        for expr in exprs(title):
+            assert expr.startswith("rate(") and expr.endswith("[$__rate_interval])"), title
+    nvlink_errors = found["NVLink errors per link and type"]["targets"][0]["legendFormat"]
+    assert "{{link}}" in nvlink_errors and "{{type}}" in nvlink_errors
+    assert "{{link}}" in found["NVLink traffic per link"]["targets"][0]["legendFormat"]
+    assert "{{reason}}" in found["Share of time throttled by reason"]["targets"][0]["legendFormat"]
+    throttle = found["Share of time throttled by reason"]["fieldConfig"]["defaults"]
+    assert throttle["custom"]["stacking"]["mode"] == "none"  # the reasons overlap
+    # Link generation and width next to their maxima, dashed.
+    for title, metric in (
+        ("PCIe link generation vs max", "gpu_pcie_link_generation"),
+        ("PCIe link width vs max", "gpu_pcie_link_width"),
+    ):
+        assert [metric_names(e) for e in exprs(title)] == [{metric}, {metric + "_max"}], title
+        (override,) = found[title]["fieldConfig"]["overrides"]
+        assert override["matcher"] == {"id": "byFrameRefID", "options": "B"}, title
+    assert "== bool 0" in exprs("NVLink links down per GPU")[0]
+    # The recovery action by name, as NVML numbers them.
+    recovery = {"none", "GPU reset", "node reboot", "drain P2P", "drain and reset"}
+    (states,) = found["Recovery action"]["fieldConfig"]["defaults"]["mappings"]
+    texts = {int(value): option["text"] for value, option in states["options"].items()}
+    assert {texts[i] for i in range(5)} == recovery
+    assert texts[0] == "none" and texts[1] == "GPU reset" and texts[4] == "drain and reset"
+
+
 def test_panel_ids_follow_their_row(dashboard: dict[str, Any]) -> None:
     """Panels of row N00 have ids N01, N02, ... in order, so links to a panel survive edits."""
     row_id = 0
@@ -264,6 +389,13 @@ def test_tables(dashboard: dict[str, Any]) -> None:
         ("GPU processes", 2, [*PROCESS_COLUMNS, "Value #A", "Value #B"]),
         ("Idle processes holding GPU memory (30m)", 1, [*PROCESS_COLUMNS, "Value"]),
         ("GPUs", 1, ["instance", "gpu", "uuid", "name", "driver_version"]),
+        (
+            "XID errors in the last 24 hours",
+            1,
+            ["instance", "gpu", "uuid", "xid", "resolution", "Value"],
+        ),
+        ("Memory repair per GPU", 12, ["instance", "gpu", "uuid", "Value #A", "Value #B"]),
+        ("Down NVLink links", 1, ["instance", "gpu", "uuid", "link"]),
     ]:
         panel = found[title]
         assert len(panel["targets"]) == queries, title
@@ -286,6 +418,24 @@ def test_tables(dashboard: dict[str, Any]) -> None:
     idle = found["Idle processes holding GPU memory (30m)"]
     assert idle["transformations"][-1]["options"]["renameByName"] == {"Value": "memory"}
     assert "max_over_time(" in idle["targets"][0]["expr"] and "== 0" in idle["targets"][0]["expr"]
+    xids = found["XID errors in the last 24 hours"]
+    assert xids["transformations"][-1]["options"]["renameByName"] == {"Value": "XIDs"}
+    assert xids["options"]["sortBy"] == [{"desc": True, "displayName": "XIDs"}]
+    # Merged by GPU: every query keeps the GPU's labels and nothing else (no cause, no job).
+    memory = found["Memory repair per GPU"]
+    for target in memory["targets"]:
+        assert target["expr"].startswith("max by (instance, gpu, uuid) ("), target["expr"]
+    columns = memory["transformations"][-1]["options"]["renameByName"]
+    assert columns["Value #A"] == "remapped rows (correctable)"
+    assert columns["Value #L"] == "recovery action"
+    mapped = {
+        o["matcher"]["options"]: o["properties"][0]["value"]
+        for o in memory["fieldConfig"]["overrides"]
+    }
+    assert (
+        mapped["recovery action"] == found["Recovery action"]["fieldConfig"]["defaults"]["mappings"]
+    )
+    assert {"row remap pending", "row remap failed", "unrepairable"} <= set(mapped)
 
 
 def test_queries_for_prometheus() -> None:
@@ -333,3 +483,165 @@ def test_provisioning() -> None:
     readme = (GRAFANA / "README.md").read_text()
     assert f"{PROVISIONED_DIR}/gpu-exporter.json" in readme
     assert "python grafana/generate.py" in readme
+
+
+# --- the Health row on a real Prometheus ----------------------------------------------------------
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+@contextlib.contextmanager
+def prometheus(tmp_path: Path, target: str) -> Iterator[int]:
+    """A real Prometheus scraping ``target`` as job gpu-exporter every second; its port."""
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        "  - job_name: gpu-exporter\n"
+        f"    static_configs: [{{targets: ['{target}']}}]\n"
+    )
+    log = tmp_path / "prometheus.log"
+    argv = [
+        str(PROMETHEUS),
+        f"--config.file={config}",
+        f"--storage.tsdb.path={tmp_path / 'prom-data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            yield port
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def prom_query(port: int, expr: str) -> list[dict[str, Any]]:
+    """An instant query, now: its result vector; [] while Prometheus is not up yet."""
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    try:
+        status, body = http_get(url)
+    except OSError:
+        return []
+    assert status == 200, (expr, body)
+    return json.loads(body)["data"]["result"]
+
+
+#: What the Health row shows for HEALTH_SCENARIO (tests/dashboard.py): (panel title, refId,
+#: labels the series has, value). GPU 0 is healthy, GPU 1 has it all.
+HEALTH_VALUES: list[tuple[str, str, dict[str, str], float]] = [
+    ("XIDs (24h)", "A", {}, 3),  # the first XID of each code counts
+    ("GPUs without XID events", "A", {}, 0),
+    ("GPUs with a repair pending", "A", {}, 1),
+    ("GPUs with failed memory repair", "A", {}, 0),
+    ("GPUs needing recovery", "A", {}, 1),
+    ("NVLink links down", "A", {}, 1),
+    # within a minute of the XIDs: the series are new, which increase() alone would miss
+    ("XID errors by code", "A", {"gpu": "1", "xid": "13", "resolution": "restart_app"}, 2),
+    ("XID errors by code", "A", {"gpu": "1", "xid": "48", "resolution": "reset_gpu"}, 1),
+    ("XID errors in the last 24 hours", "A", {"gpu": "1", "xid": "13"}, 2),
+    ("XID errors in the last 24 hours", "A", {"gpu": "1", "xid": "48"}, 1),
+    ("Memory repair per GPU", "A", {"gpu": "1"}, 3),  # remapped rows, correctable
+    ("Memory repair per GPU", "B", {"gpu": "1"}, 1),  # uncorrectable
+    ("Memory repair per GPU", "C", {"gpu": "1"}, 1),  # row remap pending
+    ("Memory repair per GPU", "C", {"gpu": "0"}, 0),
+    ("Memory repair per GPU", "K", {"gpu": "1"}, 7),  # uncorrected ECC, lifetime
+    ("Memory repair per GPU", "L", {"gpu": "1"}, 1),  # recovery action: GPU reset
+    ("Memory repair per GPU", "L", {"gpu": "0"}, 0),
+    ("Remapped rows and retired pages", "A", {"gpu": "1", "cause": "correctable"}, 3),
+    ("Recovery action", "A", {"gpu": "1"}, 1),
+    ("PCIe link width vs max", "A", {"gpu": "1"}, 8),
+    ("PCIe link width vs max", "B", {"gpu": "1"}, 16),
+    ("PCIe link generation vs max", "A", {"gpu": "1"}, 5),
+    ("NVLink links down per GPU", "A", {"gpu": "1"}, 1),
+    ("Down NVLink links", "A", {"gpu": "1", "link": "3"}, 0),
+    ("Video encoder and decoder utilization", "A", {"gpu": "1"}, 0.4),
+    ("Video encoder and decoder utilization", "B", {"gpu": "1"}, 0.2),
+]
+#: Rates, with the interval variables at 10 s (what Grafana's $__rate_interval is near for a
+#: scrape every second) so that the window fills within the test: same columns, a value per
+#: second (ECC errors: per 10 s), within 15 %.
+HEALTH_RATES: list[tuple[str, str, dict[str, str], float]] = [
+    ("ECC errors", "A", {"gpu": "1", "type": "uncorrected"}, 10),
+    ("PCIe traffic", "A", {"gpu": "1"}, 1e9),
+    ("PCIe traffic", "B", {"gpu": "1"}, 5e8),
+    ("PCIe traffic", "A", {"gpu": "0"}, 0),
+    ("PCIe errors per second", "A", {"gpu": "1"}, 1),
+    ("PCIe errors per second", "B", {"gpu": "1", "type": "correctable"}, 2),
+    ("NVLink traffic per link", "A", {"gpu": "1", "link": "0"}, 2e9),
+    ("NVLink traffic per link", "A", {"gpu": "1", "link": "1"}, 0),
+    ("NVLink errors per link and type", "A", {"gpu": "1", "link": "0", "type": "replay"}, 0.5),
+    ("NVLink errors per link and type", "A", {"gpu": "1", "link": "0", "type": "recovery"}, 0),
+    ("Share of time throttled by reason", "A", {"gpu": "1", "reason": "sw_power_cap"}, 0.25),
+    ("Share of time throttled by reason", "A", {"gpu": "0", "reason": "sw_power_cap"}, 0),
+]
+
+
+def _problems(
+    port: int,
+    targets: dict[tuple[str, str], str],
+    expected: list[tuple[str, str, dict[str, str], float]],
+    tolerance: float,
+) -> list[str]:
+    """What the queries answer now unlike ``expected`` (and queries without data)."""
+    problems = []
+    results = {key: prom_query(port, expr) for key, expr in targets.items()}
+    for (title, ref), result in results.items():
+        if not result:
+            problems.append(f"{title} {ref}: no data: {targets[title, ref]}")
+    for title, ref, labels, value in expected:
+        if (title, ref) not in results:
+            continue
+        found = [
+            float(r["value"][1])
+            for r in results[title, ref]
+            if labels.items() <= r["metric"].items()
+        ]
+        if len(found) != 1 or abs(found[0] - value) > tolerance * value + 1e-9:
+            problems.append(f"{title} {ref} {labels}: {found}, expected {value}")
+    return problems
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(PROMETHEUS is None, reason="needs Debian's prometheus (test.sh installs it)")
+def test_health_row_on_a_real_prometheus(tmp_path: Path) -> None:
+    """The agent on HEALTH_SCENARIO, scraped by a real Prometheus: every query of the Health row
+    returns data, and the values it should (counts, states, rates)."""
+    health = rows(load(DASHBOARD))["Health"]
+    queries = {
+        interval: {
+            (panel["title"], target["refId"]): substitute(target["expr"], interval)
+            for panel in health
+            for target in panel["targets"]
+        }
+        for interval in ("1m", "10s")
+    }
+    rates = {(title, ref) for title, ref, _, _ in HEALTH_RATES}
+    assert {title for title, *_ in HEALTH_VALUES + HEALTH_RATES} == {p["title"] for p in health}
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text(HEALTH_SCENARIO)
+    simulate = ["--simulate", str(scenario), "--interval", "0.5", "--lock-dir", str(tmp_path)]
+    with serve(tmp_path, *simulate) as (agent, agent_port):
+        healthz_until(agent, agent_port)
+        with prometheus(tmp_path, f"127.0.0.1:{agent_port}") as port:
+            # Until all holds at once: the rates once their 10 s fill, the XIDs of the timeline
+            # before the series are a minute old.
+            deadline = time.monotonic() + 45
+            while True:
+                problems = _problems(port, queries["1m"], HEALTH_VALUES, 0) + _problems(
+                    port,
+                    {k: v for k, v in queries["10s"].items() if k in rates},
+                    HEALTH_RATES,
+                    0.15,
+                )
+                if not problems or time.monotonic() > deadline:
+                    break
+                time.sleep(1)
+        assert "Traceback" not in stderr_of(agent)
+    log = (tmp_path / "prometheus.log").read_text()[-3000:]
+    assert not problems, "\n".join(problems) + "\n--- prometheus.log\n" + log
