@@ -3,8 +3,8 @@
 and how long stopping it takes.
 
 The host is simulated (``--gpus`` GPUs, the agent's own settings: one event set, 1 s waits).
-The simulated driver's wait looks at the scenario clock every 20 ms, where a real driver blocks
-in the kernel, so the CPU figure is an upper bound of what a real host costs.
+The simulated driver's wait blocks until its timeout or the next XID, as a real driver's does in
+the kernel; what is measured is the thread's own cost (a wait a second, and the XIDs).
 
     .venv/bin/python bench/xid_thread.py                # 8 GPUs, 20 s at rest
     .venv/bin/python bench/xid_thread.py --seconds 60
@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"XID thread, {args.gpus} simulated GPUs in one event set, 1 s waits")
     print(
         f"  at rest {rest:.1f} s: {rest_cpu:.3f} s CPU ({100 * rest_cpu / rest:.2f} % of a CPU), "
+        f"{rest_waits} NVML waits ({rest_waits / rest:.2f} per second)"
     )
-    print(f"    {rest_waits} NVML waits ({rest_waits / rest:.2f} per second)")
     print(
         f"  {args.xids} XIDs delivered and counted in {burst * 1000:.0f} ms ({burst_cpu:.3f} s CPU)"
     )

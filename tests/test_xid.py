@@ -213,7 +213,7 @@ def test_stop_takes_less_than_2s_and_the_idle_thread_uses_no_cpu(simulated, cloc
         before = _thread_cpu(tid)
         time.sleep(2.0)  # measuring the idle thread's CPU over a span of time, not waiting
         used = _thread_cpu(tid) - before
-        # the simulated wait looks at the scenario clock every 20 ms; a real one blocks in the
+        # on the test's clock the simulated wait looks at it every 20 ms; a real one blocks in the
         # driver: either way, well under 5 % of a CPU
         assert used < 0.1, f"the idle XID thread used {used:.3f} s of CPU in 2 s"
         started = time.monotonic()

@@ -98,8 +98,8 @@ _VALUE_OF = {
     pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: struct.Struct("=I"),
     pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: struct.Struct("=Q"),
 }
-#: How long one pass of a blocking event wait sleeps at most (the scenario clock is checked
-#: between passes, so a test's clock moves delivery along).
+#: How long one pass of a blocking event wait sleeps at most on a test's clock (which is
+#: checked between passes, so moving it moves delivery along).
 _EVENT_POLL_SECONDS = 0.02
 _LIFECYCLE = ("nvmlInit", "nvmlInitWithFlags", "nvmlShutdown")
 _THRESHOLD_CODES = {"shutdown": 0, "slowdown": 1, "memory_max": 2, "gpu_max": 3}
@@ -672,7 +672,22 @@ class SimulatedDriver:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     _raise("Timeout")
-                self._xid_wakeup.wait(min(left, _EVENT_POLL_SECONDS))
+                if self.clock is time.monotonic:  # scenario time is real time: sleep until the
+                    # next XID is due (inject_xid wakes it sooner), as a real wait blocks
+                    upcoming = self._next_xid(event_set)
+                    if upcoming is not None:
+                        left = min(left, max(upcoming - self.now(), 0.0) + 0.001)
+                else:  # a test's clock: look at it now and then
+                    left = min(left, _EVENT_POLL_SECONDS)
+                self._xid_wakeup.wait(left)
+
+    def _next_xid(self, event_set: _EventSet) -> float | None:
+        """When (scenario time) the next XID of a registered GPU is due; None: none is."""
+        t = self.now()
+        upcoming = [
+            at for index in event_set.registered for at, _, _ in self._xids[index] if at > t
+        ]
+        return min(upcoming, default=None)
 
     def _due_xid(self, event_set: _EventSet) -> tuple[int, int, Any] | None:
         """The earliest undelivered XID of a registered, present GPU that happened since it
