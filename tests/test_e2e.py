@@ -2,9 +2,11 @@
 scraping it with our rules, a real Alertmanager routing to a webhook this test runs.
 
 The scenario heats GPU 0 and cools it again, leaves an orphan holding GPU 1, and keeps GPU 2 fit
-to recommend. The thermal and zombie alerts must fire in Prometheus, reach the webhook through
-Alertmanager with the right labels, and the thermal one must resolve. Then every query of the
-Grafana dashboard must return data from that Prometheus.
+to recommend while it reports XID 79 (fallen off the bus: resolution reboot) and a row remapping
+pending. GPU 3 has every health signal the dashboard's Health row shows (tests/dashboard.py).
+The thermal, zombie, fatal XID and row remapping alerts must fire in Prometheus, reach the
+webhook through Alertmanager with the right labels, and the thermal one must resolve. Then every
+query of the Grafana dashboard must return data from that Prometheus.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.agent import free_port, healthz_until, http_get, serve, stderr_of
+from tests.dashboard import HEALTH_GPU
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS = shutil.which("prometheus")
@@ -37,7 +40,8 @@ pytestmark = [
     ),
 ]
 
-SCENARIO = """
+SCENARIO = (
+    """
 gpus:
   - name: NVIDIA H100 80GB HBM3
     temperature: {points: [[0s, 45], [4s, 45], [6s, 93], [22s, 93], [24s, 45]]}
@@ -46,10 +50,16 @@ gpus:
     processes:
       - {spawn: [sleep, "120"], orphan: true, memory: 3GiB}
   # a GPU neither hot nor held by a zombie: there is always one to recommend (GPU 0 is a hotspot
-  # a while, and GPU 1 is left out of recommendations once its orphan is found)
+  # a while, and GPU 1 is left out of recommendations once its orphan is found). Its XID comes
+  # a few seconds in, after the agent registered the GPU for XID events (NVML delivers none
+  # from before); the pending row remapping is there from the start.
   - name: NVIDIA H100 80GB HBM3
     temperature: 40
+    xids: [{at: 4s, code: 79}]
+    fields: {row_remap_pending: 1}
 """
+    + HEALTH_GPU
+)  # GPU 3
 CONFIG = """
 actions:
   thermal: {every: 500ms, for: 2s}
@@ -79,12 +89,15 @@ class Webhook:
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def alerts(self, name: str, status: str) -> list[dict]:
+    def alerts(self, name: str, status: str, **labels: str) -> list[dict]:
+        """The alerts named ``name`` in ``status`` received so far, with these ``labels``."""
         return [
             alert
             for note in self.notifications
             for alert in note["alerts"]
-            if alert["labels"].get("alertname") == name and alert["status"] == status
+            if alert["labels"].get("alertname") == name
+            and alert["status"] == status
+            and all(alert["labels"].get(k) == v for k, v in labels.items())
         ]
 
 
@@ -211,6 +224,29 @@ def test_alerts_fire_reach_the_webhook_and_resolve(tmp_path):
             )
             assert orphan[0]["labels"]["class"] == "orphan"
             assert orphan[0]["labels"]["gpu"] == "1"
+
+            # A health signal pushed by NVML (the XID) and one read as a field value, each
+            # through its alert with the labels that say which GPU and what happened.
+            xid = wait_until(
+                "the fatal XID alert of GPU 2 at the webhook",
+                lambda: webhook.alerts("GpuXidFatal", "firing", gpu="2"),
+                timeout=60,
+                logs=logs,
+            )
+            (gpu2,) = query(prom_port, 'gpu_up{gpu="2"}')
+            xid_labels = xid[0]["labels"]
+            assert xid_labels["gpu"] == "2" and xid_labels["uuid"] == gpu2["metric"]["uuid"]
+            assert xid_labels["xid"] == "79" and xid_labels["resolution"] == "reboot"
+            assert xid_labels["instance"] == f"127.0.0.1:{agent_port}"
+            assert xid_labels["severity"] == "critical"
+            assert "XID 79" in xid[0]["annotations"]["summary"]
+            remap = wait_until(
+                "the row remapping alert of GPU 2 at the webhook",
+                lambda: webhook.alerts("GpuRowRemapPending", "firing", gpu="2"),
+                timeout=60,
+                logs=logs,
+            )
+            assert remap[0]["labels"]["uuid"] == gpu2["metric"]["uuid"]
 
             resolved = wait_until(
                 "the hotspot alert to resolve",

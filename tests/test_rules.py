@@ -27,7 +27,13 @@ REQUIRED_ALERTS = {
     "GpuThermalHotspotWarning": "gpu_thermal_hotspot",
     "GpuThermalHotspotCritical": "gpu_thermal_hotspot",
     "GpuZombieProcesses": "gpu_zombie_processes",
+    "GpuXidFatal": "gpu_xid_errors_total",
 }
+#: An aggregation, which would take labels away from a per-GPU alert.
+AGGREGATION = re.compile(
+    r"\b(sum|avg|max|min|count|group|stddev|stdvar|topk|bottomk|quantile|count_values)\s*(\(|by\b|without\b)"
+    r"|\b(by|without)\s*\("
+)
 DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
 #: A metric name the rules may use: the agent's gpu_* and prometheus_client's process_*.
 METRIC = re.compile(r"(?<![\w:])((?:gpu|process)_[a-z0-9_]+)(?![\w:])")
@@ -171,7 +177,7 @@ def test_alerts_the_end_to_end_test_needs() -> None:
         for rule in rules:
             assert metric in rule["expr"], (name, rule["expr"])
             # A per-GPU alert must not aggregate away instance, gpu or uuid.
-            assert not re.search(r"\b(sum|avg|max|min|count)\b|\bby\s*\(", rule["expr"])
+            assert not AGGREGATION.search(rule["expr"]), (name, rule["expr"])
     zombie_classes = {
         r["labels"].get("class") for r in alerts if r["alert"] == "GpuZombieProcesses"
     }
@@ -204,3 +210,26 @@ def test_process_metrics_only_of_the_agents() -> None:
     assert rules
     for name, expr in rules:
         assert re.search(r"\band on \(job, instance\) gpu_exporter_\w+$", expr), (name, expr)
+
+
+def test_health_alerts_keep_every_label_of_their_series() -> None:
+    # The health alerts are per GPU (per link for NVLink): each keeps instance, gpu and uuid and
+    # the label that says what is wrong (xid and resolution, link, type, reason), so none may
+    # aggregate, and none may rename labels.
+    doc = yaml.safe_load(RULES.read_text())
+    (group,) = [g for g in doc["groups"] if g["name"] == "gpu-exporter.health"]
+    alerts = [r for r in group["rules"] if "alert" in r]
+    assert {"GpuXidFatal", "GpuXidError", "GpuNvlinkDown"} <= {r["alert"] for r in alerts}
+    for rule in alerts:
+        assert not AGGREGATION.search(rule["expr"]), (rule["alert"], rule["expr"])
+        assert "label_replace" not in rule["expr"] and "label_join" not in rule["expr"]
+
+
+def test_aggregation_pattern() -> None:
+    # The pattern above finds aggregations, and not the *_over_time functions or `on (...)`.
+    assert AGGREGATION.search("sum by (job) (x)")
+    assert AGGREGATION.search("max(x)")
+    assert AGGREGATION.search("count without (gpu) (x)")
+    assert AGGREGATION.search("x / on (job) group_left sum(y)")
+    assert not AGGREGATION.search("max_over_time(x[1d:15m]) == 1 and on (job, gpu) y")
+    assert not AGGREGATION.search("count_over_time(x[1d:15m]) unless on (job) y offset 1h")
