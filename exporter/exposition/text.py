@@ -67,11 +67,12 @@ def _label_value(value: str) -> str:
     return value
 
 
-#: (sample name, label names, label values) -> the sample's line up to its value: the same
-#: series come back sample after sample, and their labels need writing once.
+#: (sample name, label names, label values) -> the sample's line up to its value, for the
+#: families of rows (the GPUs' readings): the same series come back sample after sample, and
+#: their labels need writing once. Process series, which come and go, are not kept.
 _PREFIXES: dict[tuple[str, tuple[str, ...], tuple[str, ...]], str] = {}
-#: Beyond this many, the cache starts again (series of processes that came and went).
-_MAX_PREFIXES = 100_000
+#: Beyond this many, the cache starts again (GPUs that came and went, renumbered).
+_MAX_PREFIXES = 20_000
 
 
 def _prefix(name: str, keys: tuple[str, ...], values: tuple[str, ...]) -> str | None:
@@ -91,23 +92,17 @@ def _family(family: Metric, out: list[str]) -> bool:
         return False
     name = family.name + "_total" if family.type == "counter" else family.name
     lines = []
-    prefixes = _PREFIXES
     for sample in family.samples:
         if sample.timestamp is not None or sample.exemplar is not None:
             return False
         if sample.name != name and not (family.type != "counter" and sample.name == family.name):
             return False  # _created and the like
         labels = sample.labels
-        key = (sample.name, tuple(labels), tuple(labels.values()))
-        prefix = prefixes.get(key)
-        if prefix is None:
-            prefix = _prefix(*key) if labels else f"{sample.name} "
-            if prefix is None:
-                return False
-            if len(prefixes) >= _MAX_PREFIXES:
-                prefixes.clear()
-            prefixes[key] = prefix
-        lines.append(prefix + floatToGoString(sample.value) + "\n")
+        # not kept: these families hold the processes' series, which come and go
+        prefix = _prefix(sample.name, tuple(labels), tuple(labels.values())) if labels else None
+        if labels and prefix is None:
+            return False
+        lines.append((prefix or f"{sample.name} ") + floatToGoString(sample.value) + "\n")
     documentation = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
     out.append(f"# HELP {name} {documentation}\n# TYPE {name} {kind}\n")
     out.extend(lines)
