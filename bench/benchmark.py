@@ -209,6 +209,9 @@ def scenario_yaml(pids: list[list[int]], uuids: list[str], call_latency: str) ->
             f"    fan_speed: {{base: 0.5, amplitude: 0.2, period: {45 + g % 3}s}}",
             f"    clocks_mhz: {{sm: {{base: 1600, amplitude: 150, period: {12 + g % 9}s}}}}",
             "    nvlink: {links: 18}",  # an H100 SXM's: 18 links in the one field-value call
+            # Ampere and newer remap rows instead of retiring pages: not counted as families
+            "    unsupported: [retired_pages_single_bit, retired_pages_double_bit, "
+            "retired_pages_pending]",
         ]
         if row:
             lines.append("    processes:")
