@@ -395,7 +395,7 @@ READINGS: tuple[Reading, ...] = (
         "gpu_recovery_action",
         "gauge",
         "What the driver says the GPU needs: 0 none, 1 GPU reset, 2 node reboot, 3 drain P2P, "
-        "4 drain and reset (NVML's numbers; see docs/metrics.md).",
+        "4 drain and reset, 5-7 NVML 13's (NVML's numbers; see docs/metrics.md).",
         "NVML's number",
         _fv(230, "GET_GPU_RECOVERY_ACTION"),
         absent="drivers without the field",
