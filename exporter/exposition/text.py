@@ -109,8 +109,25 @@ def _family(family: Metric, out: list[str]) -> bool:
     return True
 
 
+#: family name -> (its rows, their text) as last written: most readings do not change from one
+#: sample to the next (error counters at 0, links up, link widths), and equal rows are written
+#: as before without formatting a number.
+_WRITTEN: dict[str, tuple[list[tuple[tuple[str, ...], float]], str]] = {}
+
+
 def _rows(family: Family, out: list[str]) -> None:
     """Append the lines of one of our own families."""
+    written = _WRITTEN.get(family.name)
+    if written is not None and written[0] == family.rows:
+        out.append(written[1])
+        return
+    text: list[str] = []
+    _write_rows(family, text)
+    _WRITTEN[family.name] = (family.rows, "".join(text))
+    out.extend(text)
+
+
+def _write_rows(family: Family, out: list[str]) -> None:
     name = family.sample_name
     prefixes, names = _PREFIXES, family.label_names
     lines = []
