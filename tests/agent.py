@@ -120,3 +120,20 @@ def healthz_until(
             last = (status, body)
         time.sleep(0.05)
     raise AssertionError(f"/healthz never said {wanted!r} (last: {last}): {stderr_of(proc)}")
+
+
+@contextlib.contextmanager
+def running(argv: list[str], log: Path) -> Iterator[subprocess.Popen]:
+    """A server process (Prometheus, Alertmanager) with its output in ``log``, stopped (and
+    killed when it does not stop within 10 s) at the end."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

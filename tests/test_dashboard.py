@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.agent import free_port, healthz_until, http_get, serve, stderr_of
+from tests.agent import free_port, healthz_until, http_get, running, serve, stderr_of
 from tests.dashboard import (
     DASHBOARD,
     HEALTH_SCENARIO,
@@ -508,17 +508,8 @@ def prometheus(tmp_path: Path, target: str) -> Iterator[int]:
         f"--storage.tsdb.path={tmp_path / 'prom-data'}",
         f"--web.listen-address=127.0.0.1:{port}",
     ]
-    with log.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            yield port
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with running(argv, log):
+        yield port
 
 
 def prom_query(port: int, expr: str) -> list[dict[str, Any]]:

@@ -11,21 +11,18 @@ query of the Grafana dashboard must return data from that Prometheus.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import shutil
-import subprocess
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from tests.agent import free_port, healthz_until, http_get, serve, stderr_of
+from tests.agent import free_port, healthz_until, http_get, running, serve, stderr_of
 from tests.dashboard import HEALTH_GPU
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,21 +96,6 @@ class Webhook:
             and alert["status"] == status
             and all(alert["labels"].get(k) == v for k, v in labels.items())
         ]
-
-
-@contextlib.contextmanager
-def running(argv: list[str], log: Path) -> Iterator[subprocess.Popen]:
-    with log.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            yield proc
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def short_rules(tmp_path: Path) -> Path:

@@ -304,18 +304,30 @@ def reading_families(gpus: list[Gpu]) -> list[Rows]:
                 reading.family, reading.help, reading.kind, labels
             )
         route[reading.key] = (family, tuple(value for _, value in reading.labels))
+    known = _LABEL_VALUES
+    if len(known) > 50_000:  # GPUs that came and went
+        known.clear()
     for gpu in gpus:
-        ids = (str(gpu.index), gpu.uuid)
+        index, uuid = str(gpu.index), gpu.uuid
         static = gpu.info.fields if gpu.info is not None else {}
         for key, value in (*_pairs(static), *_pairs(gpu.fields)):
             found = route.get(key)
             if found is not None:
-                found[0].add((*ids, *found[1]), value)
+                at: tuple[str, str, str, int | None] = (key, index, uuid, None)
+                values = known.get(at) or known.setdefault(at, (index, uuid, *found[1]))
+                found[0].add(values, value)
         for (link, key), value in _link_pairs(gpu.nvlink):
             found = route.get(key)
             if found is not None:
-                found[0].add((*ids, str(link), *found[1]), value)
+                at = (key, index, uuid, link)
+                values = known.get(at) or known.setdefault(at, (index, uuid, str(link), *found[1]))
+                found[0].add(values, value)
     return list(families.values())
+
+
+#: (reading key, GPU index, UUID, link) -> the series' label values: the same tuple sample after
+#: sample (fewer objects made per sample, and rows that compare equal at once).
+_LABEL_VALUES: dict[tuple[str, str, str, int | None], tuple[str, ...]] = {}
 
 
 def _pairs(values: Mapping[str, float]) -> Iterable[tuple[str, float]]:
