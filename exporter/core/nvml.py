@@ -49,13 +49,16 @@ _NVML_FATAL = frozenset(
     {"Uninitialized", "DriverNotLoaded", "LibRmVersionMismatch", "LibraryNotFound"}
 )
 
-_THRESHOLDS = (
+#: (name, pynvml constant, NVML's number) of each temperature threshold; the simulation answers
+#: by these too.
+TEMPERATURE_THRESHOLDS = (
     ("shutdown", "NVML_TEMPERATURE_THRESHOLD_SHUTDOWN", 0),
     ("slowdown", "NVML_TEMPERATURE_THRESHOLD_SLOWDOWN", 1),
     ("memory_max", "NVML_TEMPERATURE_THRESHOLD_MEM_MAX", 2),
     ("gpu_max", "NVML_TEMPERATURE_THRESHOLD_GPU_MAX", 3),
 )
-_CLOCKS = (("graphics", 0), ("sm", 1), ("memory", 2), ("video", 3))
+#: (name, NVML's clock type) of each clock read.
+CLOCKS = (("graphics", 0), ("sm", 1), ("memory", 2), ("video", 3))
 _PSTATE_UNKNOWN = 32
 #: ``c_nvmlValue_t``'s members by ``valueType`` (``usVal``: nvidia-ml-py 13 and newer).
 _VALUE_FIELDS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
@@ -419,7 +422,7 @@ class Nvml:
     def _read_static(self, index: int, handle: Any, uuid: str) -> GpuInfo:
         errors: list[SampleError] = []
         thresholds = {}
-        for name, const, fallback in _THRESHOLDS:
+        for name, const, fallback in TEMPERATURE_THRESHOLDS:
             value = self._read(
                 index,
                 f"threshold_{name}",
@@ -531,7 +534,7 @@ class Nvml:
         values, links = self._read_field_values(info, handle, errors)
         values.update(self._read_functions(index, handle, errors, "sample"))
         clocks = {}
-        for name, clock_type in _CLOCKS:
+        for name, clock_type in CLOCKS:
             if name in _SLOW_CLOCKS:
                 continue
             value = read(f"clock_{name}", Call("nvmlDeviceGetClockInfo", (handle, clock_type)))
@@ -563,7 +566,7 @@ class Nvml:
             memory_utilization_ratio=util.memory / 100.0 if util is not None else None,
             temperature_celsius=float(temperature) if temperature is not None else None,
             fan_speed_ratio=slow.get("fan_speed"),
-            clocks_hz=frozen_map({name: clocks[name] for name, _ in _CLOCKS if name in clocks}),
+            clocks_hz=frozen_map({name: clocks[name] for name, _ in CLOCKS if name in clocks}),
             performance_state=(
                 int(pstate) if pstate is not None and pstate != _PSTATE_UNKNOWN else None
             ),
@@ -723,7 +726,7 @@ class Nvml:
         fan = self._read(index, "fan_speed", errors, Call("nvmlDeviceGetFanSpeed", (handle,)))
         if fan is not None:
             values["fan_speed"] = fan / 100.0
-        for name, clock_type in _CLOCKS:
+        for name, clock_type in CLOCKS:
             if name in _SLOW_CLOCKS:
                 value = self._read(
                     index,

@@ -27,6 +27,7 @@ import pynvml
 
 from exporter.core import fields as readings
 from exporter.core.fields import FIELD_READINGS, FUNCTION_READINGS, Function, Reading
+from exporter.core.nvml import CLOCKS, TEMPERATURE_THRESHOLDS
 from exporter.simulate.processes import ScenarioProcesses, make_device_folder, running
 from exporter.simulate.scenario import (
     CALL_FIELDS,
@@ -102,8 +103,8 @@ _VALUE_OF = {
 #: checked between passes, so moving it moves delivery along).
 _EVENT_POLL_SECONDS = 0.02
 _LIFECYCLE = ("nvmlInit", "nvmlInitWithFlags", "nvmlShutdown")
-_THRESHOLD_CODES = {"shutdown": 0, "slowdown": 1, "memory_max": 2, "gpu_max": 3}
-_CLOCK_NAMES = ("graphics", "sm", "memory", "video")
+_THRESHOLD_NAMES = {number: name for name, _, number in TEMPERATURE_THRESHOLDS}
+_CLOCK_NAMES = dict((number, name) for name, number in CLOCKS)
 #: The simulated driver samples per-process utilization every 1/6 s and keeps the last 100.
 _UTILIZATION_PERIOD_US = 166_667
 _UTILIZATION_KEPT = 100
@@ -494,7 +495,7 @@ class SimulatedDriver:
             return bits
 
         def threshold(h: _Handle, kind: int) -> int:
-            name = next((k for k, v in _THRESHOLD_CODES.items() if v == kind), None)
+            name = _THRESHOLD_NAMES.get(kind)
             value = h.gpu.thresholds.get(name) if name else None
             if value is None:
                 _raise("NotSupported")
