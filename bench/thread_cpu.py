@@ -6,8 +6,8 @@ Starts gpu-exporter as bench/benchmark.py does (``--gpus`` x ``--processes``, NV
 second for ``--warm-up`` seconds, and reads every thread's user + system time from
 ``/proc/PID/task`` over ``--seconds`` more of scrapes once a second. Prints the agent's total
 and its busiest threads (by id relative to the agent's PID: the sampler's thread is the
-busiest). Run the same script of another checkout (with ``PYTHONPATH`` set to it) to compare
-two builds on the same machine, alternately.
+busiest). To compare two builds on one machine, copy this file into the other checkout's
+``bench/`` (it runs the agent of the checkout it lies in) and run the two alternately.
 
     .venv/bin/python bench/thread_cpu.py
     .venv/bin/python bench/thread_cpu.py --seconds 120 --warm-up 130   # the history full
