@@ -240,3 +240,31 @@ def test_an_xid_storm_is_counted_whole_and_logged_in_moderation(simulated, agent
     until(lambda: _counts(agent) == {13: 50}, "fifty XIDs")
     lines = [r for r in caplog.records if "XID 13" in r.getMessage()]
     assert 1 <= len(lines) <= LOG_PER_MINUTE * 2  # at most two minutes' worth
+
+
+def test_a_gpu_that_failed_to_register_is_registered_again_and_the_old_set_freed(simulated, clock):
+    import pynvml
+
+    driver = simulated("gpus: [{}, {}]\n")
+    real = driver.nvmlDeviceRegisterEvents
+    failed = []
+
+    def once_busy(handle, types, event_set):
+        if handle.index == 1 and not failed:
+            failed.append(1)
+            raise pynvml.NVMLError_Timeout()
+        return real(handle, types, event_set)
+
+    driver.nvmlDeviceRegisterEvents = once_busy
+    nvml = Nvml(library=driver)
+    watcher = XidWatcher(nvml, XidLog(), timeout_ms=100, backoff_max=0.3)
+    collector = Collector(nvml, ProcFs(), monotonic=clock, xids=watcher)
+    watcher.start()
+    try:
+        until(lambda: collector.sample().gpus[1].xid_events_supported, "GPU 1 registered later")
+        assert failed and driver.calls["nvmlEventSetFree"] >= 1  # the first set was freed
+        driver.inject_xid(1, 31)
+        until(lambda: dict(collector.sample().gpus[1].xid_counts) == {31: 1}, "its XID")
+    finally:
+        assert watcher.stop(2.0)
+        collector.close()

@@ -106,7 +106,9 @@ class XidWatcher:
                 registered = wanted
                 retry_at = time.monotonic() + self._backoff_max
             elif self._retry and event_set is not None and time.monotonic() >= retry_at:
-                registered = None  # a GPU failed to register for a passing reason: again
+                # a GPU failed to register for a passing reason: a new set, with it again
+                self._release(event_set, wanted[0])
+                event_set = registered = None
                 continue
             if event_set is None:  # nothing to wait on: until the GPUs change (or, after a
                 # passing failure, a while)
@@ -124,7 +126,8 @@ class XidWatcher:
                 self._stop.wait(backoff)  # never spin on a failing wait
                 backoff = min(backoff * 2, self._backoff_max)
                 if exc.error in ("Uninitialized", "InvalidArgument"):
-                    registered = None  # the set is gone with NVML: make a new one
+                    # the set went with NVML (or is no longer one): a new one, this not freed
+                    event_set = registered = None
                 continue
             if arrival is not None:
                 self._record(arrival)
