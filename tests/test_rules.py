@@ -233,3 +233,23 @@ def test_aggregation_pattern() -> None:
     assert AGGREGATION.search("x / on (job) group_left sum(y)")
     assert not AGGREGATION.search("max_over_time(x[1d:15m]) == 1 and on (job, gpu) y")
     assert not AGGREGATION.search("count_over_time(x[1d:15m]) unless on (job) y offset 1h")
+
+
+def test_verdict_alerts_follow_the_contract() -> None:
+    # The health action's verdict: gpu_health 0 ok, 1 warning, 2 critical. Per GPU like the
+    # health alerts (no aggregation, no renamed labels), and their annotations name the failing
+    # checks from gpu_health_check.
+    doc = yaml.safe_load(RULES.read_text())
+    (group,) = [g for g in doc["groups"] if g["name"] == "gpu-exporter.verdict"]
+    alerts = {r["alert"]: r for r in group["rules"] if "alert" in r}
+    assert set(alerts) == {"GpuUnhealthy", "GpuDegraded"}
+    for name, expr, severity in (
+        ("GpuUnhealthy", "gpu_health == 2", "critical"),
+        ("GpuDegraded", "gpu_health == 1", "warning"),
+    ):
+        rule = alerts[name]
+        assert rule["expr"] == expr and rule["labels"]["severity"] == severity, name
+        assert "gpu_health_check{" in rule["annotations"]["summary"], name
+        assert "gpu_health_check{" in rule["annotations"]["description"], name
+    assert alerts["GpuDegraded"]["for"] == "15m"
+    assert alerts["GpuUnhealthy"]["for"] in ("0s", "1m")
