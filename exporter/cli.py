@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from exporter import __version__
 from exporter.config.settings import BY_KEY, SETTINGS, Config, load_config, skip_actions
+from exporter.config.validate import positive_duration
 from exporter.config.yamlconf import ConfigError, Section
 from exporter.launcher import flags as launcher_flags
 
@@ -98,6 +99,30 @@ def build_parser() -> launcher_flags.CommandParser:
     )
     _add_settings(status, serve=False)
     status.add_argument("--json", action="store_true", help="print the Snapshot as JSON")
+    health = commands.add_parser(
+        "health",
+        help="print each GPU's health verdict (exit 0 ok, 1 unhealthy, 2 could not decide)",
+        usage="%(prog)s [--from URL] [--gpu LIST] [--strict] [--json] [FLAGS]",
+    )
+    health.add_argument(
+        "--from",
+        dest="from_url",
+        metavar="URL",
+        help="ask the agent at URL (its /health/gpus: XID history included) instead of "
+        "sampling NVML once",
+    )
+    health.add_argument(
+        "--gpu",
+        metavar="LIST",
+        help="only these GPUs: indices, UUIDs or MIG UUIDs, comma-separated, as CUDA reads "
+        "CUDA_VISIBLE_DEVICES",
+    )
+    health.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
+    health.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+    health.add_argument(
+        "--timeout", default="10s", metavar="DURATION", help="for --from (default 10s)"
+    )
+    _add_settings(health, serve=False, keys={"simulate", "paths.proc", "paths.locks"})
     check = commands.add_parser("check-config", help="validate a config file (exit 0 or 2)")
     check.add_argument("file", metavar="FILE")
     launcher_flags.add_parsers(
@@ -155,15 +180,12 @@ def _simulation(config: Config) -> Iterator[Any]:
         driver.stop()
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    """Print one Snapshot as a table or JSON."""
+def _sample_once(config: Config) -> Any:
+    """One Snapshot of this host (or of the simulation ``config`` names)."""
     from exporter.core.nvml import Nvml
     from exporter.core.procfs import ProcFs
     from exporter.sampling.collect import Collector
-    from exporter.status import format_status
 
-    config = _config(args, skip_actions)
-    _setup_logging("critical")  # status reports failures itself, in one line
     with _simulation(config) as driver:
         collector = Collector(
             Nvml(library=driver),
@@ -172,9 +194,43 @@ def cmd_status(args: argparse.Namespace) -> int:
             expose_cmdline=config.expose_cmdline,
         )
         try:
-            snapshot = collector.sample()
+            return collector.sample()
         finally:
             collector.close()
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """One verdict per GPU, from a running agent (``--from``) or one sample of NVML."""
+    import time
+
+    from exporter import healthcheck
+
+    source = "agent" if args.from_url else "nvml"
+    try:
+        timeout = positive_duration(args.timeout)
+    except ValueError as exc:
+        return healthcheck.cannot_decide(f"--timeout: {exc}", args.json, source, args.from_url)
+    try:
+        if args.from_url:
+            document = healthcheck.from_agent(args.from_url, args.gpu, timeout)
+        else:
+            config = _config(args, skip_actions)
+            _setup_logging("critical")  # reported in one line below
+            document = healthcheck.from_sample(lambda: _sample_once(config), args.gpu, time.time)
+    except healthcheck.CannotDecide as exc:
+        return healthcheck.cannot_decide(str(exc), args.json, source, args.from_url)
+    except ConfigError as exc:
+        return healthcheck.cannot_decide(str(exc), args.json, source, None)
+    return healthcheck.report(document, args.json, args.strict)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print one Snapshot as a table or JSON."""
+    from exporter.status import format_status
+
+    config = _config(args, skip_actions)
+    _setup_logging("critical")  # status reports failures itself, in one line
+    snapshot = _sample_once(config)
     if not snapshot.nvml_up:
         print(
             f"gpu-exporter: NVML is not available: {snapshot.nvml_error}. Is the NVIDIA driver "
@@ -277,7 +333,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         dev_root = config.dev_root
         if driver is not None and dev_root == BY_KEY["paths.dev"].default:
             dev_root = driver.dev_root  # the simulation's stand-ins for /dev/nvidiaN
-        engine = ActionEngine(sampler, config.actions, procfs, dev_root, lock_dir=lock_dir)
+        state_file = config.state_file
+        if state_file is None and driver is not None:
+            state_file = ""  # simulated XIDs never enter the host's real state file
+        engine = ActionEngine(
+            sampler,
+            config.actions,
+            procfs,
+            dev_root,
+            lock_dir=lock_dir,
+            state_file=state_file,
+        )
         try:
             server = serve(
                 App(sampler, engine),
@@ -343,6 +409,7 @@ _RESTART_ONLY = {
     "tls_client_ca_file": "tls.client_ca_file",
     "history": "history",
     "lock_dir": "paths.locks",
+    "state_file": "paths.state",
     "web": "web.*",
 }
 
@@ -402,7 +469,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpu-exporter {__version__}")  # before the parser: it loads every setting
         return EXIT_OK
     args = build_parser().parse_args(argv)
-    handlers = {"serve": cmd_serve, "status": cmd_status, "check-config": cmd_check_config}
+    handlers = {
+        "serve": cmd_serve,
+        "status": cmd_status,
+        "health": cmd_health,
+        "check-config": cmd_check_config,
+    }
     try:
         if args.command in ("recommend", "run"):
             _setup_logging("critical")  # they report failures themselves, in one line

@@ -71,6 +71,7 @@ BAD: dict[str, list[str]] = {
     ],
     "--proc": ["{missing}", "{file}", ""],
     "--lock-dir": ["{missing}", "{file}", ""],
+    "--state-file": ["{dir}"],
     "--dev": ["{missing}", "{file}", ""],
     "--tls-cert-file": ["{missing}", "{dir}"],
     "--tls-key-file": ["{missing}", "{dir}"],

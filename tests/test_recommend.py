@@ -12,6 +12,7 @@ import pytest
 from exporter.actions.recommend import RecommendAction, RecommendConfig, parse_recommend
 from exporter.config.policies import policy_with
 from exporter.config.yamlconf import ConfigError, parse_document
+from exporter.core.findings import Findings, ThermalLevels
 from exporter.core.selection import STRATEGIES, Policy, Weights, recommend
 from exporter.core.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, Snapshot
 
@@ -607,9 +608,10 @@ def test_action_metrics(simulated, collector):
 
 def test_action_metrics_when_nothing_qualifies_and_scores_unknown():
     gpus = snap(gpu(0, utilization_ratio=None), Gpu(index=1, uuid="GPU-1", up=False))
+    findings = Findings()
+    findings.publish(ThermalLevels({"GPU-0": 1}))  # as the thermal action does
     action = RecommendAction(
-        RecommendConfig({"default": Policy("default", strategy="least_utilized")}),
-        hotspots=lambda: {"GPU-0": 1},
+        RecommendConfig({"default": Policy("default", strategy="least_utilized")}), findings
     )
     action.run([gpus], now=0.0)
     found = samples_of(action.families())

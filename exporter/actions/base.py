@@ -8,13 +8,14 @@ through :meth:`Action.families`.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
 from prometheus_client.core import Metric
 
 from exporter.config.yamlconf import Section
+from exporter.core.findings import Findings
 from exporter.core.procfs import ProcFs
 from exporter.core.snapshot import Snapshot
 
@@ -24,6 +25,8 @@ class Action(abc.ABC):
 
     #: The name under ``actions:`` in the config and the ``action`` label of its metrics.
     name: ClassVar[str]
+    #: The kinds of finding (``core.findings``) it publishes; withdrawn when it stops.
+    publishes: ClassVar[tuple[type, ...]] = ()
 
     @abc.abstractmethod
     def run(self, snapshots: Sequence[Snapshot], now: float) -> None:
@@ -55,12 +58,12 @@ class Context:
     procfs: ProcFs
     dev_root: str
     lock_dir: str | None
-    #: thermal levels by GPU uuid (empty when the thermal action is off)
-    hotspots: Callable[[], Mapping[str, int]]
+    #: where actions publish their findings and read each other's
+    findings: Findings
     #: uuids of the GPUs a launcher lock holds, as of the latest Snapshot
     reserved: Callable[[], frozenset[str]]
-    #: uuid -> what the zombie reaper's last run found holding it (``1 orphan, 1 defunct``)
-    zombies: Callable[[], Mapping[str, str]]
+    #: the health action's state file (None: the default; "": none, kept in memory only)
+    state_file: str | None = None
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from exporter.actions.base import Action, ActionType, Context
 from exporter.actions.cron import cron_trigger
-from exporter.actions.reaper import ZombieReaper
-from exporter.actions.recommend import RecommendConfig
+from exporter.actions.recommend import RecommendConfig, judgements
 from exporter.actions.registry import ACTIONS
-from exporter.actions.thermal import ThermalAction
 from exporter.config.policies import policy_with
 from exporter.config.validate import boolean, positive_duration
 from exporter.config.yamlconf import Section
+from exporter.core.findings import Findings
 from exporter.core.procfs import ProcFs
 from exporter.core.selection import Policy, Recommendation, recommend
 from exporter.exposition.metrics import render_families
@@ -120,6 +119,7 @@ class ActionEngine:
         monotonic: Callable[[], float] = time.monotonic,
         lock_dir: str | None = None,
         registry: Sequence[ActionType[Any]] = ACTIONS,
+        state_file: str | None = None,
     ) -> None:
         self.sampler = sampler
         self.procfs = procfs
@@ -130,8 +130,10 @@ class ActionEngine:
         self._registry = {action.name: action for action in registry}
         self._stats = {name: ActionStats() for name in self._registry}
         self._locks = {name: threading.Lock() for name in self._registry}
+        #: what the actions found, by kind (``core.findings``): read it, never the actions
+        self.findings = Findings()
         self._context = Context(
-            procfs, dev_root, lock_dir, self.hotspots, self.reserved, self.zombies
+            procfs, dev_root, lock_dir, self.findings, self.reserved, state_file
         )
         self._render_lock = threading.Lock()
         self._actions: dict[str, Action] = {}
@@ -161,7 +163,7 @@ class ActionEngine:
                     if self.config.actions[name].options == settings.options:
                         continue  # unchanged: keep its state (timers, levels)
                 if current is not None:
-                    current.close("disabled" if not settings.enabled else "replaced")
+                    self._close(current, "disabled" if not settings.enabled else "replaced")
                 self._actions.pop(name, None)
                 if settings.enabled:
                     self._actions[name] = self._registry[name].make(settings.options, self._context)
@@ -213,7 +215,12 @@ class ActionEngine:
             self._scheduler.shutdown(wait=False)
             self._scheduler = None
         for action in self._actions.values():
-            action.close("agent_stopped")
+            self._close(action, "agent_stopped")
+
+    def _close(self, action: Action, reason: str) -> None:
+        action.close(reason)
+        for kind in action.publishes:
+            self.findings.withdraw(kind)
 
     def action(self, name: str) -> Action | None:
         """The running action of that name; None while it is disabled."""
@@ -256,22 +263,6 @@ class ActionEngine:
             return frozenset()
         return frozenset(g.uuid for g in latest.snapshot.gpus if g.reserved_by is not None)
 
-    def reaper_verdicts(self) -> Mapping[tuple[str, int], tuple[str | None, str | None]]:
-        """(uuid, pid) -> (reaper class, last decision) of the processes its last run looked
-        at; empty when the reaper is off."""
-        reaper = self._actions.get("zombie_reaper")
-        return reaper.verdicts() if isinstance(reaper, ZombieReaper) else {}
-
-    def zombies(self) -> Mapping[str, str]:
-        """What the zombie reaper's last run found holding each GPU (empty when it is off)."""
-        reaper = self._actions.get("zombie_reaper")
-        return reaper.holders_found() if isinstance(reaper, ZombieReaper) else {}
-
-    def hotspots(self) -> Mapping[str, int]:
-        """Thermal levels by uuid (empty when the thermal action is off)."""
-        thermal = self._actions.get("thermal")
-        return thermal.levels() if isinstance(thermal, ThermalAction) else {}
-
     def policies(self) -> Mapping[str, Policy]:
         """The configured recommendation policies by name (``default`` always among them)."""
         settings: RecommendConfig = self.config.actions["recommend"].options
@@ -289,10 +280,9 @@ class ActionEngine:
         return recommend(
             policy_with(policy, params),
             self.sampler.history(),
-            hotspots=self.hotspots(),
             locked=self.reserved(),
-            zombies=self.zombies(),
             visible=visible,
+            **judgements(self.findings),
         )
 
     # -- metrics ----------------------------------------------------------------------------

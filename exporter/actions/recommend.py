@@ -13,6 +13,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from exporter.actions.base import Action, ActionType, Context
 from exporter.config.policies import parse_policies
 from exporter.config.yamlconf import Section
+from exporter.core.findings import Findings, HealthVerdicts, ThermalLevels, ZombieHolders
 from exporter.core.selection import Policy, Recommendation, recommend, with_default
 from exporter.core.snapshot import Snapshot
 from exporter.exposition.metrics import GPU_LABELS
@@ -45,6 +46,19 @@ class _Findings:
     gpus: tuple[tuple[int, str], ...]  # (index, uuid) of every identified GPU, latest Snapshot
 
 
+def judgements(findings: Findings) -> dict[str, Mapping[str, Any]]:
+    """What the other actions found that recommendations weigh, as ``recommend``'s keyword
+    arguments: thermal levels, zombie holders, health verdicts (empty where an action is off)."""
+    thermal = findings.get(ThermalLevels)
+    zombies = findings.get(ZombieHolders)
+    health = findings.get(HealthVerdicts)
+    return {
+        "hotspots": thermal.levels if thermal is not None else _NONE,
+        "zombies": zombies.holders if zombies is not None else _NONE,
+        "health": health.verdicts if health is not None else _NONE,
+    }
+
+
 class RecommendAction(Action):
     """Recommends GPUs for every configured policy and publishes the choices as metrics."""
 
@@ -53,21 +67,19 @@ class RecommendAction(Action):
     def __init__(
         self,
         config: RecommendConfig,
-        hotspots: Callable[[], Mapping[str, int]] = dict,
+        findings: Findings | None = None,
         locked: Callable[[], Collection[str]] = frozenset,
-        zombies: Callable[[], Mapping[str, str]] = dict,
     ) -> None:
         self.config = config
-        self._hotspots = hotspots
+        self.findings = findings if findings is not None else Findings()
         self._locked = locked
-        self._zombies = zombies
         self._findings: _Findings | None = None
 
     def run(self, snapshots: Sequence[Snapshot], now: float) -> None:
         """Recommend for every policy over ``snapshots`` (oldest first)."""
-        hotspots, locked, zombies = self._hotspots(), frozenset(self._locked()), self._zombies()
+        locked = frozenset(self._locked())
         recommendations = {
-            name: recommend(policy, snapshots, hotspots=hotspots, locked=locked, zombies=zombies)
+            name: recommend(policy, snapshots, locked=locked, **judgements(self.findings))
             for name, policy in self.config.policies.items()
         }
         gpus = tuple((g.index, g.uuid) for g in (snapshots[-1].gpus if snapshots else ()) if g.uuid)
@@ -110,9 +122,7 @@ class RecommendAction(Action):
 
 
 def _make(settings: RecommendConfig, context: Context) -> RecommendAction:
-    return RecommendAction(
-        settings, hotspots=context.hotspots, locked=context.reserved, zombies=context.zombies
-    )
+    return RecommendAction(settings, context.findings, locked=context.reserved)
 
 
 ACTION = ActionType("recommend", 10.0, RecommendConfig, parse_recommend, _make)

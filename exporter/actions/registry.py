@@ -8,10 +8,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from exporter.actions.base import ActionType
+from exporter.actions.health import ACTION as HEALTH
 from exporter.actions.reaper.action import ACTION as REAPER
 from exporter.actions.recommend import ACTION as RECOMMEND
 from exporter.actions.thermal import ACTION as THERMAL
 
 #: Every action, in the order they are configured and listed.
-ACTIONS: tuple[ActionType[Any], ...] = (REAPER, THERMAL, RECOMMEND)
+ACTIONS: tuple[ActionType[Any], ...] = (REAPER, THERMAL, HEALTH, RECOMMEND)
 BY_NAME: Mapping[str, ActionType[Any]] = {action.name: action for action in ACTIONS}

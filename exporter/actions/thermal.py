@@ -36,13 +36,12 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from exporter.actions.base import Action, ActionType, Context
 from exporter.config.validate import celsius, duration, non_negative, positive, ratio
 from exporter.config.yamlconf import Section
+from exporter.core.findings import Findings, ThermalLevels
+from exporter.core.health import thermal_limits
 from exporter.core.snapshot import Gpu, Snapshot
 from exporter.exposition.metrics import GPU_LABELS
 
 LEVEL_NAMES = ("ok", "warning", "critical")
-DEFAULT_WARNING_CELSIUS = 80.0
-DEFAULT_CRITICAL_CELSIUS = 85.0
-SLOWDOWN_WARNING_MARGIN = 5.0
 _BAND_TOLERANCE = 1e-9  # utilizations are whole percents; 0.8 - 0.6 is 0.20000000000000007
 
 
@@ -117,8 +116,16 @@ class ThermalAction(Action):
 
     name = "thermal"
 
-    def __init__(self, config: ThermalConfig, log: logging.Logger | None = None) -> None:
+    publishes = (ThermalLevels,)
+
+    def __init__(
+        self,
+        config: ThermalConfig,
+        log: logging.Logger | None = None,
+        findings: Findings | None = None,
+    ) -> None:
         self.config = config
+        self.findings = findings if findings is not None else Findings()
         self.log = log or logging.getLogger(__name__)
         self._states: dict[str, _GpuState] = {}
         self._last: tuple[int, float] | None = None  # (seq, timestamp) of the last processed
@@ -136,6 +143,7 @@ class ThermalAction(Action):
         self._published = tuple(
             sorted((st.index, uuid, st.level, st.outlier) for uuid, st in self._states.items())
         )
+        self.findings.publish(ThermalLevels(self.levels()))
 
     def families(self) -> list[Metric]:
         """``gpu_thermal_hotspot`` and ``gpu_thermal_outlier``; none before the first run."""
@@ -165,12 +173,7 @@ class ThermalAction(Action):
 
     def thresholds(self, gpu: Gpu) -> tuple[float, float]:
         """(warning, critical) celsius for ``gpu``: configured, or from its slowdown threshold."""
-        slowdown = gpu.info.temperature_thresholds.get("slowdown") if gpu.info else None
-        warning = DEFAULT_WARNING_CELSIUS
-        critical = DEFAULT_CRITICAL_CELSIUS
-        if slowdown is not None:
-            warning = min(warning, slowdown - SLOWDOWN_WARNING_MARGIN)
-            critical = min(critical, slowdown)
+        warning, critical = thermal_limits(gpu)  # the defaults, shared with the launcher
         configured_warning = self.config.warning_celsius
         configured_critical = self.config.critical_celsius
         if configured_warning is not None:
@@ -360,8 +363,7 @@ def _next_level(level: int, held: set[str]) -> int:
 
 
 def _make(settings: ThermalConfig, context: Context) -> ThermalAction:
-    del context  # it needs nothing of the engine
-    return ThermalAction(settings)
+    return ThermalAction(settings, findings=context.findings)
 
 
 ACTION = ActionType("thermal", 5.0, ThermalConfig, parse_thermal, _make)

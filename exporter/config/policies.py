@@ -10,7 +10,15 @@ from typing import Any
 
 from exporter.config.validate import boolean, celsius, non_negative, ratio, size, switch, whole
 from exporter.config.yamlconf import Section
-from exporter.core.selection import MAX_COUNT, MAX_WINDOW, STRATEGIES, Policy, Weights, with_default
+from exporter.core.selection import (
+    MAX_COUNT,
+    MAX_WINDOW,
+    STRATEGIES,
+    UNHEALTHY_LEVELS,
+    Policy,
+    Weights,
+    with_default,
+)
 from exporter.core.units import parse_size
 
 _WEIGHTS, _DEFAULT = Weights(), Policy("")  # the defaults live on the dataclasses
@@ -20,6 +28,22 @@ def _strategy(raw: Any) -> str:
     if raw not in STRATEGIES:
         raise ValueError(f"must be one of {', '.join(STRATEGIES)}; got {raw!r}")
     return str(raw)
+
+
+def unhealthy(raw: Any) -> str:
+    """``exclude_unhealthy``: true (critical GPUs), ``warning`` (warning ones too) or false."""
+    if isinstance(raw, bool):
+        return "critical" if raw else "off"
+    text = str(raw).strip().lower()
+    if text in UNHEALTHY_LEVELS:
+        return text
+    try:
+        return "critical" if switch(text) else "off"
+    except ValueError:
+        raise ValueError(
+            f"expected true (leave out critical GPUs), warning (warning ones too) or false, "
+            f"got {raw!r}"
+        ) from None
 
 
 def _parse_weights(policy: Section) -> Weights:
@@ -48,6 +72,7 @@ def _parse_policy(name: str, section: Section) -> Policy:
         exclude_hotspots=section.get("exclude_hotspots", boolean, True),
         exclusive=section.get("exclusive", boolean, False),
         exclude_zombies=section.get("exclude_zombies", boolean, True),
+        exclude_unhealthy=section.get("exclude_unhealthy", unhealthy, _DEFAULT.exclude_unhealthy),
         window=section.get("window", whole(1, MAX_WINDOW), 1),
         weights=_parse_weights(section),
     )
@@ -86,6 +111,7 @@ _PARAMS: Mapping[str, Callable[[str], Any]] = MappingProxyType(
         "strategy": _strategy,
         "exclusive": switch,
         "exclude_zombies": switch,
+        "exclude_unhealthy": unhealthy,
     }
 )
 

@@ -63,6 +63,8 @@ class Config(Generic[A]):
     proc_root: str
     dev_root: str
     lock_dir: str | None  # None: the default, resolved when used (launcher.locks)
+    #: the health action's state file; None: the default, "": none (memory only)
+    state_file: str | None
     tls_cert_file: str | None
     tls_key_file: str | None
     tls_client_ca_file: str | None
@@ -135,6 +137,15 @@ def _optional_file(value: Any) -> str | None:
     return path
 
 
+def _state_file(value: Any) -> str:
+    text = str(value).strip()
+    if text.lower() in ("", "off", "none", "false"):
+        return ""  # kept in memory only
+    if text.endswith("/") or os.path.isdir(text):
+        raise ValueError(f"{text!r} is a directory; name the state file (like .../health.json)")
+    return text
+
+
 _history = whole(1, 100_000)
 
 
@@ -192,6 +203,15 @@ SETTINGS: tuple[Setting, ...] = (
         None,
         "launcher lock directory (default /run/gpu-exporter/locks, else a per-user one)",
         env_name="GPU_EXPORTER_LOCK_DIR",
+    ),
+    Setting(
+        "paths.state",
+        "--state-file",
+        _state_file,
+        None,
+        "file where the health verdict's critical XIDs outlive a restart (default "
+        "/var/lib/gpu-exporter/health.json as root, else ~/.local/state/gpu-exporter/; "
+        "'off': kept in memory only; off by default with --simulate)",
     ),
     Setting(
         "paths.dev",
@@ -374,6 +394,7 @@ def load_config(
         proc_root=values["paths.proc"],
         dev_root=values["paths.dev"],
         lock_dir=values["paths.locks"],
+        state_file=values["paths.state"],
         tls_cert_file=values["tls.cert_file"],
         tls_key_file=values["tls.key_file"],
         tls_client_ca_file=values["tls.client_ca_file"],

@@ -9,7 +9,9 @@ rules, in the order they are applied to every GPU of the latest Snapshot:
    launcher lock (``reserved by a launcher lock``). With ``exclude_hotspots`` (the default), so is
    a GPU at thermal hotspot level 1 or more (``thermal hotspot level N``); with
    ``exclude_zombies`` (the default), a GPU where the zombie reaper's last run found orphaned,
-   defunct or leaked holders (``zombie holders: 1 orphan``).
+   defunct or leaked holders (``zombie holders: 1 orphan``); with ``exclude_unhealthy``
+   ``critical`` (the default), a GPU whose health verdict is critical, or with ``warning``,
+   warning or worse (``unhealthy: row remap pending``; ``off`` takes any).
 3. Filters: ``min_free_memory``, ``max_utilization``, ``max_temperature`` compare the GPU's
    windowed means; ``exclusive`` wants no process of any user in the latest Snapshot. A value
    that is unknown *fails* its filter (``free memory unknown``): unknown never passes.
@@ -40,10 +42,15 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from exporter.core.health import CRITICAL, WARNING, Verdict
 from exporter.core.snapshot import Gpu, Snapshot
 from exporter.core.units import format_bytes
 
 STRATEGIES = ("most_free_memory", "least_utilized", "coolest", "weighted")
+#: ``exclude_unhealthy`` values, and the verdict level each leaves out (None: none)
+UNHEALTHY_LEVELS: Mapping[str, int | None] = MappingProxyType(
+    {"critical": CRITICAL, "warning": WARNING, "off": None}
+)
 DEFAULT_POLICY = "default"
 #: The headroom reference of the weighted strategy when a GPU has no slowdown threshold.
 DEFAULT_SLOWDOWN_CELSIUS = 90.0
@@ -83,6 +90,8 @@ class Policy:
     )
     window: int = 1  # rank on the mean over the last N Snapshots
     weights: Weights = field(default_factory=Weights)
+    #: leave out GPUs whose health verdict is this bad or worse: critical, warning, or off
+    exclude_unhealthy: str = "critical"
 
 
 def with_default(policies: Mapping[str, Policy]) -> Mapping[str, Policy]:
@@ -194,8 +203,14 @@ def _exclusions(
     hotspots: Mapping[str, int],
     locked: Collection[str],
     zombies: Mapping[str, str],
+    health: Mapping[str, Verdict],
 ) -> list[str]:
     reasons = []
+    worst = UNHEALTHY_LEVELS[policy.exclude_unhealthy]
+    verdict = health.get(gpu.uuid)
+    if worst is not None and verdict is not None and verdict.level >= worst:
+        texts = [c.reason or c.name for c in verdict.checks if c.level >= worst]
+        reasons.append(f"unhealthy: {'; '.join(texts)}")
     if gpu.thermal_throttling():
         reasons.append("thermal throttling")
     if gpu.uuid in locked:
@@ -296,10 +311,12 @@ def _judge(
     hotspots: Mapping[str, int],
     locked: Collection[str],
     zombies: Mapping[str, str],
+    health: Mapping[str, Verdict],
 ) -> tuple[float | None, list[str]]:
     """The score of an up GPU (None when it cannot be scored) and why it does not qualify."""
     means = _means(gpu.uuid, snapshots, policy.window)
-    reasons = _exclusions(gpu, policy, hotspots, locked, zombies) + _filters(means, policy)
+    reasons = _exclusions(gpu, policy, hotspots, locked, zombies, health)
+    reasons += _filters(means, policy)
     try:
         return _score(gpu, means, policy), reasons
     except _Unknown as exc:
@@ -316,13 +333,15 @@ def recommend(
     locked: Collection[str] = (),
     visible: Collection[str] | None = None,
     zombies: Mapping[str, str] = _NONE,
+    health: Mapping[str, Verdict] = _NONE,
 ) -> Recommendation:
     """Rank the GPUs of the latest Snapshot under ``policy`` (rules in the module docstring).
 
     ``snapshots`` are oldest first; ``hotspots`` maps uuid -> thermal hotspot level; ``locked``
     holds the uuids a launcher lock reserves; ``visible``, when given, the only uuids that may be
     chosen (what ``CUDA_VISIBLE_DEVICES`` makes visible); ``zombies`` maps uuid -> what the
-    zombie reaper found holding it (``1 orphan``). Ties break by lowest NVML index.
+    zombie reaper found holding it (``1 orphan``); ``health`` uuid -> health verdict. Ties
+    break by lowest NVML index.
     """
     latest = snapshots[-1].gpus if snapshots else ()
     qualified: list[Choice] = []
@@ -339,7 +358,7 @@ def recommend(
         if not gpu.up:
             rejected[gpu.uuid] = "down"
             continue
-        score, reasons = _judge(gpu, snapshots, policy, hotspots, locked, zombies)
+        score, reasons = _judge(gpu, snapshots, policy, hotspots, locked, zombies, health)
         if score is not None:
             scores[gpu.uuid] = score
         if reasons:

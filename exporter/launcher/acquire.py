@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, TextIO
 
+from exporter.core.health import assess
 from exporter.core.locks import LockDir, LockError, Reservation, lock_name, try_lock
 from exporter.core.nvml import Nvml
 from exporter.core.procfs import ProcFs
@@ -163,7 +164,9 @@ def choose(
     latest = snapshots[-1]
     visible, note = _visible(visible_env, latest)
     locked = set(_reserved(latest, mine)) | set(unusable)
-    recommendation = recommend(policy, snapshots, locked=locked, visible=visible)
+    # the verdict these samples support (no XID history here: docs/launcher.md says what)
+    health = assess(snapshots)
+    recommendation = recommend(policy, snapshots, locked=locked, visible=visible, health=health)
     recommendation = with_reasons(recommendation, _refused(unusable))
     return Choosing(recommendation, note, visible or {}, impossible(policy, latest.gpus, visible))
 

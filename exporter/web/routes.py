@@ -21,6 +21,8 @@ from typing import Any, Protocol
 from urllib.parse import parse_qs
 
 from exporter import __version__
+from exporter.core.findings import Findings, HealthVerdicts, ZombieHolders
+from exporter.core.health import health_document
 from exporter.core.selection import Policy, Recommendation
 from exporter.core.visible import check_well_formed, visible_uuids
 from exporter.exposition.metrics import (
@@ -54,8 +56,9 @@ class Actions(Protocol):
     ) -> Recommendation:
         """Recommend now under a known policy with overrides; ValueError for a bad one."""
 
-    def reaper_verdicts(self) -> Mapping[tuple[str, int], tuple[str | None, str | None]]:
-        """(uuid, pid) -> (zombie reaper class, its last decision) from the reaper's last run."""
+    @property
+    def findings(self) -> Findings:
+        """What the actions found (``core.findings``), by kind."""
 
 
 log = logging.getLogger(__name__)
@@ -75,6 +78,8 @@ _LANDING = """<!doctype html>
 <li><a href="metrics">/metrics</a>: Prometheus metrics</li>
 <li><a href="healthz">/healthz</a>: 200 while the Snapshot is fresh and NVML answers</li>
 <li><a href="snapshot">/snapshot</a>: the latest Snapshot as JSON
+(<code>?gpu=INDEX|UUID</code>, repeatable)</li>
+<li><a href="health/gpus">/health/gpus</a>: each GPU's health verdict as JSON
 (<code>?gpu=INDEX|UUID</code>, repeatable)</li>
 <li><a href="recommend">/recommend</a>: the GPUs to use now
 (<code>?policy=NAME&amp;count=N&amp;min_free_memory=8GiB&amp;max_utilization=0.1&amp;max_temperature=80&amp;exclusive=true&amp;visible=0,1</code>)</li>
@@ -119,6 +124,7 @@ class App:
             "/healthz": (self.healthz, frozenset()),
             "/snapshot": (self.snapshot, frozenset({"gpu"})),
             "/recommend": (self.recommend, RECOMMEND_PARAMS),
+            "/health/gpus": (self.health_gpus, frozenset({"gpu"})),
         }
         #: The server's counters (``gpu_exporter_http_*``); requests by route, else ``other``.
         self.http = HttpStats(self._routes)
@@ -275,15 +281,42 @@ class App:
                     "404 Not Found", f"no GPU {sorted(missing)[0]!r} in the latest Snapshot"
                 )
             data["gpus"] = gpus
-        verdicts = self.engine.reaper_verdicts() if self.engine is not None else {}
+        zombies = self.engine.findings.get(ZombieHolders) if self.engine is not None else None
+        verdicts = zombies.verdicts if zombies is not None else {}
+        health = self._verdicts()
         for gpu in data["gpus"]:
+            verdict = health.verdicts.get(gpu["uuid"]) if health is not None else None
+            gpu["health"] = verdict.to_dict() if verdict is not None else None
             for proc in gpu["processes"] or ():
                 cls, decision = verdicts.get((gpu["uuid"], proc["pid"]), (None, None))
                 proc["reaper"] = {"class": cls, "decision": decision}
-        health = self.sampler.health()
-        data["health"] = {"ok": health.ok, "reason": health.reason, "stale": health.stale}
+        agent = self.sampler.health()
+        data["health"] = {"ok": agent.ok, "reason": agent.reason, "stale": agent.stale}
         body = json.dumps(data, indent=1, sort_keys=False).encode()
         return Response("200 OK", "application/json", body)
+
+    def _verdicts(self) -> HealthVerdicts | None:
+        return self.engine.findings.get(HealthVerdicts) if self.engine is not None else None
+
+    def health_gpus(self, params: dict[str, list[str]], environ: dict[str, Any]) -> Response:
+        """The health action's verdicts (``?gpu=INDEX|UUID``, repeatable): for probes and
+        ``gpu-exporter health --from``."""
+        found = self._verdicts()
+        if found is None:
+            raise BadRequest(
+                "503 Service Unavailable",
+                "no health verdict: the health action is off or has not run yet",
+            )
+        verdicts = sorted(found.verdicts.values(), key=lambda v: (v.index, v.uuid))
+        wanted = params.get("gpu")
+        if wanted:
+            chosen = [v for v in verdicts if str(v.index) in wanted or v.uuid in wanted]
+            missing = set(wanted) - {str(v.index) for v in chosen} - {v.uuid for v in chosen}
+            if missing:
+                raise BadRequest("404 Not Found", f"no GPU {sorted(missing)[0]!r} has a verdict")
+            verdicts = chosen
+        data = health_document(verdicts, found.timestamp, source="agent")
+        return Response("200 OK", "application/json", json.dumps(data, indent=1).encode())
 
 
 def openmetrics_preferred(accept: str | None) -> bool:
@@ -375,11 +408,12 @@ RECOMMEND_PARAMS = frozenset(
         "max_temperature",
         "strategy",
         "exclusive",
+        "exclude_unhealthy",
         "visible",
     }
 )
 #: Routes that do work per request, rather than read what the sampler rendered: off the loop.
-_WORKING_ROUTES = frozenset({"/snapshot", "/recommend"})
+_WORKING_ROUTES = frozenset({"/snapshot", "/recommend", "/health/gpus"})
 #: /recommend answers this when fewer GPUs than asked for qualify (the body still says why).
 NOT_ENOUGH_GPUS = "409 Conflict"
 

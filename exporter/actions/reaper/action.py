@@ -46,6 +46,7 @@ from exporter.actions.base import Action, ActionType, Context
 from exporter.actions.reaper.config import CLASSES, ReaperConfig, parse_reaper
 from exporter.actions.reaper.evidence import JobEnd, JobWatch, pidfd_exited
 from exporter.core import privileges
+from exporter.core.findings import Findings, ZombieHolders
 from exporter.core.locks import SUFFIX as LOCK_SUFFIX
 from exporter.core.procfs import Credentials, ProcessInfo, ProcFs, file_identity, scan_fd_holders
 from exporter.core.snapshot import Gpu, GpuProcess, Snapshot
@@ -119,6 +120,7 @@ class ZombieReaper(Action):
     """The ``zombie_reaper`` action."""
 
     name = "zombie_reaper"
+    publishes = (ZombieHolders,)
 
     def __init__(
         self,
@@ -130,8 +132,10 @@ class ZombieReaper(Action):
         lock_dir: str | None = None,
         watch: JobWatch | None = None,
         exited: Callable[[int], bool] = pidfd_exited,
+        findings: Findings | None = None,
     ) -> None:
         self.config = config
+        self.findings = findings if findings is not None else Findings()
         self.procfs = procfs
         self.dev_root = dev_root
         self.audit = audit or AuditLog(config.audit_log)
@@ -206,6 +210,7 @@ class ZombieReaper(Action):
         self._classes = {(f.gpu.uuid, f.pid): f.cls for f in findings if f.pid}
         self._decisions = {k: v for k, v in self._decisions.items() if k[1] in present}
         self._signal_orphans([f for f in findings if f.cls == "orphan" and f.info], now)
+        self.findings.publish(ZombieHolders(self.holders_found(), self.verdicts()))
 
     def _classify(self, latest: Snapshot, now: float) -> tuple[list[_Finding], set[int]]:
         """The findings of this run, and every PID looked at (listed or holding a GPU)."""
@@ -749,7 +754,13 @@ def _capability_family(caps: frozenset[str] | None) -> GaugeMetricFamily:
 
 
 def _make(settings: ReaperConfig, context: Context) -> ZombieReaper:
-    return ZombieReaper(settings, context.procfs, context.dev_root, lock_dir=context.lock_dir)
+    return ZombieReaper(
+        settings,
+        context.procfs,
+        context.dev_root,
+        lock_dir=context.lock_dir,
+        findings=context.findings,
+    )
 
 
 ACTION = ActionType("zombie_reaper", 30.0, ReaperConfig, parse_reaper, _make)

@@ -1,0 +1,76 @@
+"""Findings that actions publish for other actions, routes and the composition root to read.
+
+Each kind of finding is a frozen dataclass; an action publishes the latest of its kinds after
+each run, and whoever needs one reads it from the :class:`Findings` board by type, without
+knowing which action made it (or whether it runs: an absent finding reads as None).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+from exporter.core.health import Verdict
+
+_NONE: Mapping[Any, Any] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class ThermalLevels:
+    """The thermal action's level by GPU uuid (0 ok, 1 warning, 2 critical); GPUs whose
+    temperature is unknown are absent."""
+
+    levels: Mapping[str, int] = field(default_factory=lambda: _NONE)
+
+
+@dataclass(frozen=True)
+class ZombieHolders:
+    """What the zombie reaper's last run found."""
+
+    #: uuid -> its orphaned, defunct and leaked holders (``1 orphan, 1 defunct``); GPUs with
+    #: none are absent
+    holders: Mapping[str, str] = field(default_factory=lambda: _NONE)
+    #: (uuid, pid) -> (reaper class, last decision) of every process it looked at
+    verdicts: Mapping[tuple[str, int], tuple[str | None, str | None]] = field(
+        default_factory=lambda: _NONE
+    )
+
+
+@dataclass(frozen=True)
+class HealthVerdicts:
+    """The health action's verdict by GPU uuid (lost GPUs included)."""
+
+    verdicts: Mapping[str, Verdict] = field(default_factory=lambda: _NONE)
+    #: wall-clock time of the Snapshot they judge
+    timestamp: float | None = None
+
+
+F = TypeVar("F")
+
+
+class Findings:
+    """The latest finding of each kind; safe to read from any thread."""
+
+    def __init__(self) -> None:
+        self._latest: Mapping[type, Any] = _NONE
+        self._lock = threading.Lock()
+
+    def publish(self, finding: object) -> None:
+        """Make ``finding`` the latest of its kind."""
+        with self._lock:
+            self._latest = MappingProxyType({**self._latest, type(finding): finding})
+
+    def withdraw(self, kind: type) -> None:
+        """Forget the finding of ``kind`` (its action stopped)."""
+        with self._lock:
+            self._latest = MappingProxyType(
+                {k: v for k, v in self._latest.items() if k is not kind}
+            )
+
+    def get(self, kind: type[F]) -> F | None:
+        """The latest finding of ``kind``; None when none is published."""
+        found = self._latest.get(kind)
+        return found if isinstance(found, kind) else None
