@@ -350,8 +350,13 @@ def state_timeline(
     description: str,
     w: int = 12,
     h: int = 8,
+    show_value: str = "never",
 ) -> Panel:
-    """Each series a lane of states; ``states`` maps values to names and colors."""
+    """Each series a lane of states; ``states`` maps values to names and colors.
+
+    ``show_value="always"`` writes each state's name in its lane, so that color is not the only
+    cue (Grafana's showValue: never, auto, always).
+    """
     defaults = {
         "color": {"mode": "thresholds"},
         "custom": {
@@ -367,7 +372,7 @@ def state_timeline(
         "legend": {"displayMode": "list", "placement": "bottom", "showLegend": False},
         "mergeValues": True,
         "rowHeight": 0.9,
-        "showValue": "never",
+        "showValue": show_value,
         "tooltip": {"mode": "single", "sort": "none"},
     }
     targets = [target(expr, legend)]
@@ -411,6 +416,10 @@ REPAIR_PENDING = (
 )
 #: 1 when the memory cannot be repaired any more: the board is to be replaced.
 REPAIR_FAILED = ("gpu_row_remap_failed", "gpu_memory_unrepairable")
+#: gpu_health and gpu_health_check: the health action's verdict per GPU and per check.
+VERDICT = mapping((0, "ok", "green"), (1, "warning", "orange"), (2, "critical", "red"))
+#: The health action's checks that are not ok now, one series per GPU and check.
+FAILING_CHECKS = f"{sel('gpu_health_check')} > 0"
 
 
 def xids_in(window: str) -> str:
@@ -733,6 +742,42 @@ HEALTH: list[Panel] = [
         "percentunit",
         "Share of time the video encoder (NVENC) and decoder (NVDEC) were busy.",
         min_value=0,
+    ),
+    state_timeline(
+        523,
+        "GPU health verdict per GPU over time",
+        sel("gpu_health"),
+        GPU_LEGEND,
+        VERDICT,
+        "The health action's verdict per GPU (gpu_health): the worst of its checks, ok, warning "
+        "or critical. Which checks: the Failing health checks panels, or gpu-exporter health "
+        "--from http://HOST:9402 on the host. No data: the health action is disabled.",
+        show_value="always",
+    ),
+    state_timeline(
+        524,
+        "Failing health checks over time",
+        FAILING_CHECKS,
+        GPU_LEGEND + " {{check}}",
+        VERDICT,
+        "Each check of the health action (gpu_health_check) while it is at warning or critical, "
+        "one lane per GPU and check: lost, xid, memory_repair, ecc, recovery_action, pcie, "
+        "nvlink, thermal, clocks. Empty: every check of every selected GPU was ok.",
+        show_value="always",
+    ),
+    table(
+        525,
+        "Failing health checks now",
+        FAILING_CHECKS,
+        ["instance", "gpu", "uuid", "check", "Value"],
+        "The checks at warning or critical now, critical first. The reason of each (which XID, "
+        "which repair, which link) is in gpu-exporter health --from http://HOST:9402 and the "
+        "agent's /health/gpus. Empty: every check is ok.",
+        hide=[],
+        rename={"Value": "level"},
+        sort_by="level",
+        mappings={"level": VERDICT},
+        h=6,
     ),
 ]
 

@@ -153,6 +153,9 @@ REQUIRED = [
         "percentunit",
         "gpu_decoder_utilization_ratio",
     ),
+    ("GPU health verdict per GPU over time", "state-timeline", None, "gpu_health"),
+    ("Failing health checks over time", "state-timeline", None, "gpu_health_check"),
+    ("Failing health checks now", "table", None, "gpu_health_check"),
 ]
 
 
@@ -366,6 +369,21 @@ def test_health_queries(dashboard: dict[str, Any]) -> None:
     texts = {int(value): option["text"] for value, option in states["options"].items()}
     assert {texts[i] for i in range(5)} == recovery
     assert texts[0] == "none" and texts[1] == "GPU reset" and texts[4] == "drain and reset"
+    # The health verdict and its checks: 0 ok green, 1 warning, 2 critical red, the state's name
+    # written in the lane too, so that color is not the only cue.
+    for title in ("GPU health verdict per GPU over time", "Failing health checks over time"):
+        (states,) = found[title]["fieldConfig"]["defaults"]["mappings"]
+        options = {int(value): (o["text"], o["color"]) for value, o in states["options"].items()}
+        assert options == {0: ("ok", "green"), 1: ("warning", "orange"), 2: ("critical", "red")}
+        assert found[title]["options"]["showValue"] == "always", title
+    assert exprs("GPU health verdict per GPU over time") == [
+        'gpu_health{job="gpu-exporter", instance=~"$instance", gpu=~"$gpu"}'
+    ]
+    # Only the checks that are not ok: an ok check has no lane and no row.
+    for title in ("Failing health checks over time", "Failing health checks now"):
+        (failing,) = exprs(title)
+        assert failing.startswith("gpu_health_check{") and failing.endswith("} > 0"), title
+    assert "{{check}}" in found["Failing health checks over time"]["targets"][0]["legendFormat"]
 
 
 def test_panel_ids_follow_their_row(dashboard: dict[str, Any]) -> None:
@@ -396,6 +414,7 @@ def test_tables(dashboard: dict[str, Any]) -> None:
         ),
         ("Memory repair per GPU", 12, ["instance", "gpu", "uuid", "Value #A", "Value #B"]),
         ("Down NVLink links", 1, ["instance", "gpu", "uuid", "link"]),
+        ("Failing health checks now", 1, ["instance", "gpu", "uuid", "check", "Value"]),
     ]:
         panel = found[title]
         assert len(panel["targets"]) == queries, title
@@ -436,6 +455,17 @@ def test_tables(dashboard: dict[str, Any]) -> None:
         mapped["recovery action"] == found["Recovery action"]["fieldConfig"]["defaults"]["mappings"]
     )
     assert {"row remap pending", "row remap failed", "unrepairable"} <= set(mapped)
+    failing = found["Failing health checks now"]
+    assert failing["transformations"][-1]["options"]["renameByName"] == {"Value": "level"}
+    assert failing["options"]["sortBy"] == [{"desc": True, "displayName": "level"}]
+    (level,) = failing["fieldConfig"]["overrides"]
+    assert level["matcher"] == {"id": "byName", "options": "level"}
+    assert level["properties"][0] == {
+        "id": "mappings",
+        "value": found["GPU health verdict per GPU over time"]["fieldConfig"]["defaults"][
+            "mappings"
+        ],
+    }
 
 
 def test_queries_for_prometheus() -> None:
@@ -553,6 +583,12 @@ HEALTH_VALUES: list[tuple[str, str, dict[str, str], float]] = [
     ("Down NVLink links", "A", {"gpu": "1", "link": "3"}, 0),
     ("Video encoder and decoder utilization", "A", {"gpu": "1"}, 0.4),
     ("Video encoder and decoder utilization", "B", {"gpu": "1"}, 0.2),
+    # The health action's verdict: GPU 1's XID 48 (reset_gpu) and recovery action are critical.
+    ("GPU health verdict per GPU over time", "A", {"gpu": "1"}, 2),
+    ("GPU health verdict per GPU over time", "A", {"gpu": "0"}, 0),
+    ("Failing health checks over time", "A", {"gpu": "1", "check": "xid"}, 2),
+    ("Failing health checks now", "A", {"gpu": "1", "check": "xid"}, 2),
+    ("Failing health checks now", "A", {"gpu": "1", "check": "recovery_action"}, 2),
 ]
 #: Rates, with the interval variables at 10 s (what Grafana's $__rate_interval is near for a
 #: scrape every second) so that the window fills within the test: same columns, a value per
