@@ -199,19 +199,28 @@ def _sample_once(config: Config) -> Any:
             collector.close()
 
 
+def _parse(parse: Callable[[Any], Any], raw: Any, flag: str) -> Any:
+    try:
+        return parse(raw)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+
+
 def cmd_health(args: argparse.Namespace) -> int:
     """One verdict per GPU, from a running agent (``--from``) or one sample of NVML."""
     import time
 
     from exporter import healthcheck
 
-    source = "agent" if args.from_url else "nvml"
+    source = "agent" if args.from_url is not None else "nvml"
     try:
-        timeout = positive_duration(args.timeout)
+        timeout = _parse(positive_duration, args.timeout, "--timeout")
+        if args.gpu is not None:
+            healthcheck.check_gpu_list(args.gpu)
     except ValueError as exc:
-        return healthcheck.cannot_decide(f"--timeout: {exc}", args.json, source, args.from_url)
+        return healthcheck.cannot_decide(str(exc), args.json, source, args.from_url)
     try:
-        if args.from_url:
+        if args.from_url is not None:
             document = healthcheck.from_agent(args.from_url, args.gpu, timeout)
         else:
             config = _config(args, skip_actions)

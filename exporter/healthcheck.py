@@ -75,6 +75,18 @@ def from_sample(
     return health_document(chosen, snapshot.timestamp, source="nvml")
 
 
+def check_gpu_list(wanted: str) -> None:
+    """ValueError (naming ``--gpu``) unless ``wanted`` is a list CUDA could read."""
+    from exporter.core.visible import check_well_formed
+
+    if not any(entry.strip() for entry in wanted.split(",")):
+        raise ValueError("--gpu: names no GPU")
+    try:
+        check_well_formed(wanted)
+    except ValueError as exc:
+        raise ValueError(f"--gpu: {exc}") from None
+
+
 def _only(verdicts: list[dict[str, Any]], wanted: str | None) -> list[dict[str, Any]]:
     """The verdicts of the GPUs ``wanted`` names (as CUDA reads CUDA_VISIBLE_DEVICES: indices,
     UUIDs or their prefixes, MIG UUIDs); every entry must name a GPU here."""
@@ -83,12 +95,12 @@ def _only(verdicts: list[dict[str, Any]], wanted: str | None) -> list[dict[str, 
             raise CannotDecide("no GPUs to judge")
         return verdicts
     from exporter.core.snapshot import Gpu
-    from exporter.core.visible import check_well_formed, visible_uuids
+    from exporter.core.visible import visible_uuids
 
     try:
-        check_well_formed(wanted)
+        check_gpu_list(wanted)
     except ValueError as exc:
-        raise CannotDecide(f"--gpu: {exc}") from None
+        raise CannotDecide(str(exc)) from None
     gpus = [Gpu(v["index"], v["uuid"], up=True) for v in verdicts]
     chosen: list[str] = []
     for entry in (e.strip() for e in wanted.split(",")):

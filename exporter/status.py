@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from exporter.core.fields import RECOVERY_ACTIONS
+from exporter.core.health import Verdict, assess
 from exporter.core.snapshot import Gpu, GpuProcess, Snapshot
 from exporter.core.units import format_bytes
 from exporter.core.xid import KEPT_PER_GPU
@@ -66,7 +67,18 @@ def health_notes(gpu: Gpu, now: float) -> list[str]:
     return notes
 
 
-def _gpu_line(gpu: Gpu, now: float) -> str:
+def _health(gpu: Gpu, now: float, verdict: Verdict | None) -> str:
+    """The HEALTH column: the verdict one Snapshot supports, then what needs attention."""
+    notes = health_notes(gpu, now)
+    if verdict is None or verdict.level == 0:
+        return ", ".join(notes) or "ok"
+    # the notes are shorter than the checks' reasons; a check they do not cover adds its own
+    covered = {"xid", "memory_repair", "recovery_action", "pcie", "nvlink"} if notes else set()
+    extra = [c.reason for c in verdict.checks if c.level and c.name not in covered]
+    return f"{verdict.status.upper()} " + ", ".join([*notes, *extra])
+
+
+def _gpu_line(gpu: Gpu, now: float, verdict: Verdict | None = None) -> str:
     name = gpu.info.name if gpu.info else "?"
     if not gpu.up:
         return f"{gpu.index:>3}  {name[:26]:<26} DOWN: {gpu.error}"
@@ -79,7 +91,7 @@ def _gpu_line(gpu: Gpu, now: float) -> str:
         gpu.utilization_ratio * 100 if gpu.utilization_ratio is not None else None, ".0f", "%"
     )
     free = format_bytes(gpu.memory_free_bytes)
-    health = ", ".join(health_notes(gpu, now)) or "ok"
+    health = _health(gpu, now, verdict)
     row = _GPU_ROW.format(
         gpu.index, name[:26], temp, util, memory, free, power, _throttle(gpu), health
     ).rstrip()
@@ -112,8 +124,9 @@ def format_status(snapshot: Snapshot) -> str:
         f"{host.hostname}  {when}  driver {driver}  CUDA {cuda}",
         _HEADER,
     ]
+    verdicts = assess([snapshot])  # what one Snapshot can tell (no XID history)
     for gpu in snapshot.gpus:
-        lines.append(_gpu_line(gpu, snapshot.timestamp))
+        lines.append(_gpu_line(gpu, snapshot.timestamp, verdicts.get(gpu.uuid)))
         if gpu.processes:
             lines.append(_PROCESS_HEADER)
             lines.extend(_process_line(proc) for proc in sorted(gpu.processes, key=lambda p: p.pid))

@@ -72,6 +72,9 @@ BAD: dict[str, list[str]] = {
     "--proc": ["{missing}", "{file}", ""],
     "--lock-dir": ["{missing}", "{file}", ""],
     "--state-file": ["{dir}"],
+    "--exclude-unhealthy": ["maybe", "critical!"],
+    "--gpu": ["", ",,", "GPU 0", "0;1"],
+    "--timeout": ["0", "-1s", "soon", "", "nan"],
     "--dev": ["{missing}", "{file}", ""],
     "--tls-cert-file": ["{missing}", "{dir}"],
     "--tls-key-file": ["{missing}", "{dir}"],
@@ -104,6 +107,7 @@ NO_BAD_VALUE = {
     "--version": "prints the version",
     "--json": "a switch without a value",
     "--exclusive": "a switch without a value",
+    "--strict": "a switch without a value",
 }
 #: Where the message names the file the user gave instead of the flag.
 NAMES_THE_FILE = {"--config", "--web.config.file"}

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from exporter.core.procfs import ProcFs, python_script
-from exporter.core.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, Snapshot
+from exporter.core.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, LinkReadings, Snapshot
 from exporter.status import format_status
 from tests.agent import exporter_cli
 
@@ -110,7 +110,8 @@ def test_the_health_column_names_what_needs_attention():
         info=info,
         xids=(old, *recent),
         fields={"row_remap_pending": 1, "recovery_action": 1, "pcie_link_width": 8},
-        nvlink={0: {"nvlink_up": 1}, 1: {"nvlink_up": 0}},
+        nvlink=LinkReadings({0: {"nvlink_up": 1}, 1: {"nvlink_up": 0}}),
+        uuid="GPU-1",
     )
     assert health_notes(sick, now) == [
         "XID 48,79 (2/1h)",
@@ -124,4 +125,7 @@ def test_the_health_column_names_what_needs_attention():
     text = format_status(Snapshot(1, now, 1.0, 0.01, True, HostInfo("h"), (gpu(), sick)))
     header, healthy, unhealthy = text.splitlines()[1:4]
     assert header.endswith("HEALTH") and healthy.endswith(" ok")
+    # the verdict one Snapshot supports leads: remap pending and the recovery action are
+    # critical (the link that is down was never seen up by a one-shot status)
+    assert "CRITICAL XID 48,79 (2/1h), remap pending" in unhealthy
     assert unhealthy.endswith("NVLink 1/2 down")

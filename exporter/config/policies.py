@@ -120,7 +120,8 @@ def policy_with(policy: Policy, params: Mapping[str, str]) -> Policy:
     """``policy`` with overrides given as strings (HTTP query, CLI flags).
 
     Known parameters: count, min_free_memory (a size like ``8GiB``), max_utilization (0-1),
-    max_temperature (celsius), strategy, exclusive (true or false). Raises ValueError naming the
+    max_temperature (celsius), strategy, exclusive and exclude_zombies (true or false),
+    exclude_unhealthy (true, warning or false). Raises ValueError naming the
     parameter for a bad value or an unknown parameter.
     """
     changes: dict[str, Any] = {}

@@ -87,6 +87,7 @@ def policy_for(
     max_temperature: float | None = None,
     exclusive: bool | None = None,
     strategy: str | None = None,
+    exclude_unhealthy: bool | str | None = None,
 ) -> Policy:
     """The named policy (from ``config``'s ``actions.recommend.policies``) with overrides.
 
@@ -100,6 +101,7 @@ def policy_for(
         "max_temperature": max_temperature,
         "exclusive": exclusive,
         "strategy": strategy,
+        "exclude_unhealthy": exclude_unhealthy,
     }
     with _launch_errors():
         policies = load_config(config, actions=recommend_policies).actions

@@ -60,6 +60,7 @@ _FLAGS = {
     "max_temperature": "--max-temperature",
     "strategy": "--strategy",
     "exclusive": "--exclusive",
+    "exclude_unhealthy": "--exclude-unhealthy",
 }
 #: What ``run --from`` checks here, under the lock, of the GPUs the agent chose: up, not
 #: throttling, not locked by another launcher, and the filter flags given. Its count is the
@@ -100,7 +101,14 @@ def _with_flags(policy: Policy, args: argparse.Namespace) -> Policy:
 def _overrides(args: argparse.Namespace) -> dict[str, str]:
     overrides = {
         key: getattr(args, key)
-        for key in ("count", "min_free_memory", "max_utilization", "max_temperature", "strategy")
+        for key in (
+            "count",
+            "min_free_memory",
+            "max_utilization",
+            "max_temperature",
+            "strategy",
+            "exclude_unhealthy",
+        )
         if getattr(args, key) is not None
     }
     if args.exclusive:

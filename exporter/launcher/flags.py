@@ -31,6 +31,12 @@ def add_selection_flags(parser: argparse.ArgumentParser) -> None:
         "--exclusive", action="store_true", help="only GPUs with no process of any user on them"
     )
     parser.add_argument(
+        "--exclude-unhealthy",
+        metavar="true|warning|false",
+        help="leave out GPUs whose health verdict is critical (true, the default), warning or "
+        "worse (warning), or none (false)",
+    )
+    parser.add_argument(
         "--from", dest="source", metavar="URL", help="let a running agent choose (its /recommend)"
     )
 
