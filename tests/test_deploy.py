@@ -10,6 +10,9 @@ No image is built or run and no cluster is touched here. What is checked instead
   Python build that follows the same kustomizations) and every object is validated against the
   Kubernetes API schemas (kubernetes-validate, strict); the Prometheus Operator objects, which it
   has no schemas for, are checked field by field; and the permissions of each variant.
+- node-problem-detector: the custom plugin monitor follows NPD's format (keys, durations, a
+  permanent rule with its default condition), asks the agent on its port with arguments the CLI
+  takes, and the host-network patch changes nothing but hostNetwork.
 - systemd: the unit and its drop-in are parsed and their hardening checked; CAP_KILL only in the
   drop-in; `systemd-analyze verify` and `security --offline` where systemd-analyze exists.
 
@@ -20,6 +23,7 @@ make their tests skip, with the reason.
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 import re
@@ -40,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 KUBE = REPO / "deploy" / "kubernetes"
+NPD = KUBE / "node-problem-detector"
 GENERATE = KUBE / "generate.py"
 RULES = REPO / "rules" / "gpu-exporter.rules.yml"
 SYSTEMD = REPO / "deploy" / "systemd"
@@ -583,6 +588,125 @@ def test_service_and_service_monitor(variant):
     rule = _one(objects, "PrometheusRule")
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
     assert rule["spec"]["groups"]
+
+
+# -- Kubernetes: node-problem-detector ----------------------------------------------------------
+
+#: node-problem-detector's custom plugin monitor format (pkg/custompluginmonitor/types and
+#: pkg/types): the keys it reads. A key outside these is a typo NPD would silently ignore.
+NPD_KEYS = {"plugin", "pluginConfig", "source", "metricsReporting", "conditions", "rules"}
+NPD_PLUGIN_CONFIG_KEYS = {
+    "invoke_interval",
+    "timeout",
+    "max_output_length",
+    "concurrency",
+    "enable_message_change_based_condition_update",
+    "skip_initial_status",
+}
+NPD_CONDITION_KEYS = {"type", "status", "reason", "message"}
+NPD_RULE_KEYS = {"type", "condition", "reason", "path", "args", "timeout", "invoke_interval"}
+#: NPD reads at most this much of a plugin's stdout (maxCustomPluginBufferBytes).
+NPD_MAX_OUTPUT = 4096
+_GO_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def _go_duration(text: str) -> float:
+    """Seconds in a Go duration ("30s", "1m30s"), as NPD parses them (time.ParseDuration)."""
+    parts = _GO_DURATION.findall(text)
+    assert parts and "".join(n + u for n, u in parts) == text, f"not a Go duration: {text!r}"
+    return sum(float(n) * _GO_UNITS[u] for n, u in parts)
+
+
+def _npd_monitor() -> dict[str, Any]:
+    return json.loads((NPD / "gpu-health-monitor.json").read_text())
+
+
+def test_npd_monitor_follows_the_custom_plugin_format():
+    monitor = _npd_monitor()
+    assert set(monitor) <= NPD_KEYS, set(monitor) - NPD_KEYS
+    assert monitor["plugin"] == "custom"
+    assert monitor["source"] and monitor["metricsReporting"] is True
+    config = monitor["pluginConfig"]
+    assert set(config) <= NPD_PLUGIN_CONFIG_KEYS, set(config) - NPD_PLUGIN_CONFIG_KEYS
+    assert isinstance(config["max_output_length"], int)
+    assert 80 <= config["max_output_length"] <= NPD_MAX_OUTPUT
+    assert config["concurrency"] == 1
+    # A message that changes (an XID's age) would update the condition, and record an event,
+    # at every run.
+    assert config["enable_message_change_based_condition_update"] is False
+    (condition,) = monitor["conditions"]
+    assert set(condition) <= NPD_CONDITION_KEYS
+    assert condition == {
+        "type": "GpuUnhealthy",
+        "status": "False",
+        "reason": "GpuHealthy",
+        "message": condition["message"],
+    }
+    assert condition["message"]
+    (rule,) = monitor["rules"]
+    assert set(rule) <= NPD_RULE_KEYS, set(rule) - NPD_RULE_KEYS
+    # A permanent rule sets the condition (NPD refuses one without a default condition).
+    assert rule["type"] == "permanent"
+    assert rule["condition"] == condition["type"] == "GpuUnhealthy"
+    assert rule["reason"] == "GpuUnhealthy"
+    # NPD refuses a rule timeout above the global one, and a run that outlasts the interval
+    # would delay the next.
+    interval = _go_duration(config["invoke_interval"])
+    assert _go_duration(rule["timeout"]) <= _go_duration(config["timeout"]) < interval
+    # gpu-exporter health --from waits 10 s for the agent by default: the plugin's timeout
+    # leaves it that, and Python's start.
+    assert _go_duration(rule["timeout"]) > 10
+
+
+def test_npd_monitor_asks_the_agent_on_its_port():
+    (rule,) = _npd_monitor()["rules"]
+    # NPD checks that the path exists (os.Stat), so it must be absolute: no PATH lookup.
+    assert os.path.isabs(rule["path"]) and os.path.basename(rule["path"]) == "gpu-exporter"
+    assert rule["args"] == ["health", "--from", f"http://127.0.0.1:{DEFAULT_PORT}"]
+    # The port the agent's DaemonSet listens on.
+    daemonset = yaml.safe_load((KUBE / "base" / "daemonset.yaml").read_text())
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    assert [p["containerPort"] for p in container["ports"]] == [DEFAULT_PORT]
+
+
+def test_npd_monitor_args_are_what_the_cli_takes():
+    """The rule's command as NPD runs it, against a port where nothing listens: exit 2, which
+    NPD turns into the condition Unknown, and the reason on stderr, which NPD logs."""
+    import socket
+
+    (rule,) = _npd_monitor()["rules"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = [a.replace(f":{DEFAULT_PORT}", f":{port}") for a in rule["args"]]
+    run = subprocess.run(
+        [sys.executable, "-m", "exporter", *args, "--timeout", "2s"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr.startswith("gpu-exporter health: "), run.stderr
+
+
+def test_npd_host_network_patch_puts_the_agent_on_the_nodes_network():
+    patch = yaml.safe_load((NPD / "gpu-exporter-host-network.yaml").read_text())
+    base = [o for o in _python_build(KUBE / "base") if o["kind"] == "DaemonSet"]
+    (daemonset,) = base
+    assert (patch["kind"], patch["metadata"]["name"]) == ("DaemonSet", "gpu-exporter")
+    merged = _merge(daemonset, patch)
+    pod = _pod_spec(merged)
+    assert pod["hostNetwork"] is True
+    # Nothing else changes: the agent keeps its port, probes and privileges.
+    assert {**pod, "hostNetwork": False} == {**_pod_spec(daemonset), "hostNetwork": False}
+    (container,) = pod["containers"]
+    assert [p["containerPort"] for p in container["ports"]] == [DEFAULT_PORT]
+    try:
+        validate = importlib.import_module("kubernetes_validate")
+    except ImportError:
+        return
+    validate.validate(merged, validate.latest_version(), strict=True)
 
 
 # -- systemd ------------------------------------------------------------------------------------
