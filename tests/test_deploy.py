@@ -15,9 +15,12 @@ No image is built or run and no cluster is touched here. What is checked instead
   takes, and the host-network patch changes nothing but hostNetwork.
 - systemd: the unit and its drop-in are parsed and their hardening checked; CAP_KILL only in the
   drop-in; `systemd-analyze verify` and `security --offline` where systemd-analyze exists.
+- Slurm: the prolog and epilog, run with stand-ins for gpu-exporter, scontrol and logger first
+  in PATH, for every exit code of `gpu-exporter health` (drain and reason, exit codes, what
+  counts as "could not decide"); shellcheck where it is installed.
 
-Tools missing here (hadolint, kubectl, systemd-analyze, the Python packages of the test extras)
-make their tests skip, with the reason.
+Tools missing here (hadolint, kubectl, systemd-analyze, shellcheck, the Python packages of the
+test extras) make their tests skip, with the reason.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -847,3 +851,252 @@ def test_systemd_analyze_security_exposure(tmp_path, with_dropin, threshold):
         pytest.skip("this systemd-analyze has no --offline (systemd 250 or later)")
     overall = [line for line in run.stdout.splitlines() if "Overall exposure" in line]
     assert run.returncode == 0, f"exposure above {threshold / 10}: {overall or run.stderr}"
+
+
+# -- Slurm prolog and epilog --------------------------------------------------------------------
+
+SLURM_SCRIPTS = ("prolog.sh", "epilog.sh")
+SHARED_MARK = "# ---- shared by prolog.sh and epilog.sh from here on"
+NODE = "gpu-node-7"
+CRITICAL_1 = (
+    "GPU 1 GPU-1b2c3d4e-5f60-7182-93a4-b5c6d7e8f901: critical: memory_repair: row remap "
+    "pending; xid: XID 79 (reboot) 4m ago"
+)
+CRITICAL_3 = "GPU 3 GPU-3b2c3d4e-5f60-7182-93a4-b5c6d7e8f903: critical: lost: GPU is lost"
+OK_0 = "GPU 0 GPU-6f2c1e1a-5f60-7182-93a4-b5c6d7e8f900: ok"
+WARNING_2 = "GPU 2 GPU-2b2c3d4e-5f60-7182-93a4-b5c6d7e8f902: warning: pcie: link x8 of x16"
+
+
+class _Slurm:
+    """A node for the scripts: stand-ins for gpu-exporter (answering as told), scontrol and
+    logger (writing their arguments to files), first in PATH, and Slurm's few variables."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.dir = tmp_path
+        self.bin = tmp_path / "bin"
+        self.bin.mkdir()
+        self._tool("scontrol", f'printf "%s\\n" "$@" > {tmp_path}/scontrol.argv\nexit 0')
+        self._tool("logger", f'printf "%s\\n" "$*" >> {tmp_path}/logger.log')
+        self.env = {
+            "PATH": f"{self.bin}:/usr/bin:/bin",
+            "SLURM_JOB_ID": "4242",
+            "SLURMD_NODENAME": NODE,
+        }
+
+    def _tool(self, name: str, body: str) -> None:
+        path = self.bin / name
+        path.write_text(f"#!/bin/sh\n{body}\n")
+        path.chmod(0o755)
+
+    def health(self, rc: int, stdout: str = "", stderr: str = "", sleep: float = 0) -> None:
+        """gpu-exporter as a stand-in: its argv to gpu-exporter.argv, then this answer."""
+        lines = [f'printf "%s\\n" "$@" > {self.dir}/gpu-exporter.argv']
+        if sleep:
+            lines.append(f"exec sleep {sleep}")
+        if stdout:
+            lines.append(f"cat <<'EOF'\n{stdout}\nEOF")
+        if stderr:
+            lines.append(f"cat >&2 <<'EOF'\n{stderr}\nEOF")
+        lines.append(f"exit {rc}")
+        self._tool("gpu-exporter", "\n".join(lines))
+
+    def scontrol(self, rc: int) -> None:
+        self._tool("scontrol", f'printf "%s\\n" "$@" > {self.dir}/scontrol.argv\nexit {rc}')
+
+    def run(self, script: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(REPO / "deploy" / "slurm" / script)],
+            env={**self.env, **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    def _lines(self, name: str) -> list[str] | None:
+        path = self.dir / name
+        return path.read_text().splitlines() if path.exists() else None
+
+    @property
+    def health_argv(self) -> list[str] | None:
+        return self._lines("gpu-exporter.argv")
+
+    @property
+    def drain(self) -> list[str] | None:
+        """scontrol's arguments, or None when it did not run."""
+        return self._lines("scontrol.argv")
+
+    @property
+    def syslog(self) -> str:
+        return "\n".join(self._lines("logger.log") or [])
+
+
+def _drain_argv(reason: str) -> list[str]:
+    return ["update", f"nodename={NODE}", "state=drain", f"reason={reason}"]
+
+
+@pytest.fixture
+def slurm(tmp_path: Path) -> _Slurm:
+    return _Slurm(tmp_path)
+
+
+@pytest.mark.parametrize("script", SLURM_SCRIPTS)
+def test_slurm_all_ok_runs_the_job(slurm, script):
+    slurm.health(0, f"{OK_0}\n{WARNING_2}")
+    run = slurm.run(script)
+    assert run.returncode == 0, run.stderr
+    assert slurm.drain is None
+    assert slurm.health_argv == ["health", "--from", f"http://127.0.0.1:{DEFAULT_PORT}"]
+
+
+@pytest.mark.parametrize("script", SLURM_SCRIPTS)
+def test_slurm_critical_drains_the_node_and_fails(slurm, script):
+    slurm.health(1, f"{OK_0}\n{CRITICAL_1}\n{WARNING_2}")
+    run = slurm.run(script)
+    assert run.returncode == 1
+    assert slurm.drain == _drain_argv(f"gpu-exporter: {CRITICAL_1}")
+    assert f"drained {NODE}: gpu-exporter: {CRITICAL_1}" in slurm.syslog
+    assert "job 4242" in run.stderr
+
+
+@pytest.mark.parametrize("script", SLURM_SCRIPTS)
+def test_slurm_drain_reason_names_the_first_critical_gpu_and_is_trimmed(slurm, script):
+    long = CRITICAL_1 + "; pcie: " + "x" * 300
+    slurm.health(1, f"{OK_0}\n{WARNING_2}\n{long}\n{CRITICAL_3}")
+    assert slurm.run(script).returncode == 1
+    (reason,) = [a for a in slurm.drain if a.startswith("reason=")]
+    reason = reason.removeprefix("reason=")
+    # The critical line, not the warning before it; cut to 160 characters; the other GPU counted.
+    assert reason.startswith(f"gpu-exporter: {CRITICAL_1}"), reason
+    assert reason.endswith("... (+1 more)"), reason
+    assert len(reason) == len("gpu-exporter: ") + 160 + len(" (+1 more)")
+
+
+@pytest.mark.parametrize("script", SLURM_SCRIPTS)
+def test_slurm_could_not_decide_logs_and_does_not_drain(slurm, script):
+    said = "gpu-exporter health: cannot reach the agent at http://127.0.0.1:9402: refused"
+    slurm.health(2, stderr=said)
+    run = slurm.run(script)
+    assert run.returncode == 0, run.stderr
+    assert slurm.drain is None
+    assert f"could not decide (exit 2: {said}); not draining" in run.stderr
+    assert f"could not decide (exit 2: {said})" in slurm.syslog
+
+
+@pytest.mark.parametrize("script", SLURM_SCRIPTS)
+def test_slurm_could_not_decide_drains_when_the_admin_says_so(slurm, script):
+    said = "gpu-exporter health: cannot reach the agent at http://127.0.0.1:9402: refused"
+    slurm.health(2, stderr=said)
+    run = slurm.run(script, GPU_EXPORTER_DRAIN_ON_UNKNOWN="1")
+    assert run.returncode == 1
+    assert slurm.drain == _drain_argv(f"gpu-exporter: could not decide: exit 2: {said}")
+
+
+@pytest.mark.parametrize("script", SLURM_SCRIPTS)
+def test_slurm_missing_program_is_could_not_decide(slurm, script, tmp_path):
+    missing = str(tmp_path / "no-such-gpu-exporter")
+    run = slurm.run(script, GPU_EXPORTER_BIN=missing)
+    assert run.returncode == 0, run.stderr
+    assert slurm.drain is None
+    assert f"could not decide (exit 127: {missing}: not found" in run.stderr
+    run = slurm.run(script, GPU_EXPORTER_BIN=missing, GPU_EXPORTER_DRAIN_ON_UNKNOWN="1")
+    assert run.returncode == 1
+    assert slurm.drain[-1].startswith("reason=gpu-exporter: could not decide: exit 127: ")
+
+
+@pytest.mark.parametrize("script", SLURM_SCRIPTS)
+def test_slurm_exit_1_without_a_failing_gpu_is_a_crash_not_a_verdict(slurm, script):
+    slurm.health(1, stderr="Traceback (most recent call last):\nRuntimeError: boom")
+    run = slurm.run(script)
+    assert run.returncode == 0, run.stderr
+    assert slurm.drain is None
+    assert "exit 1 without a failing GPU: RuntimeError: boom" in run.stderr
+
+
+@pytest.mark.parametrize("script", SLURM_SCRIPTS)
+def test_slurm_no_answer_in_time_is_could_not_decide(slurm, script):
+    if shutil.which("timeout") is None:
+        pytest.skip("no timeout(1) here: the scripts then wait for gpu-exporter's own timeout")
+    slurm.health(0, sleep=30)
+    started = time.monotonic()
+    run = slurm.run(script, GPU_EXPORTER_HEALTH_TIMEOUT="1")
+    assert time.monotonic() - started < 15
+    assert run.returncode == 0, run.stderr
+    assert slurm.drain is None
+    assert "could not decide (no answer within 1s" in run.stderr
+
+
+@pytest.mark.parametrize("script", SLURM_SCRIPTS)
+def test_slurm_strict_drains_on_a_warning(slurm, script):
+    slurm.health(1, f"{OK_0}\n{WARNING_2}")
+    run = slurm.run(script, GPU_EXPORTER_STRICT="1")
+    assert run.returncode == 1
+    assert "--strict" in slurm.health_argv
+    assert slurm.drain == _drain_argv(f"gpu-exporter: {WARNING_2}")
+
+
+@pytest.mark.parametrize("script", SLURM_SCRIPTS)
+def test_slurm_url_setting(slurm, script):
+    slurm.health(0, OK_0)
+    assert slurm.run(script, GPU_EXPORTER_URL="http://10.0.0.7:9500").returncode == 0
+    assert slurm.health_argv[:3] == ["health", "--from", "http://10.0.0.7:9500"]
+
+
+@pytest.mark.parametrize(
+    ("job_gpus", "expected"),
+    [
+        ("0,2", ["--gpu", "0,2"]),
+        ("0-2,5", ["--gpu", "0,1,2,5"]),
+        (
+            "GPU-6f2c1e1a-5f60-7182-93a4-b5c6d7e8f900",
+            ["--gpu", "GPU-6f2c1e1a-5f60-7182-93a4-b5c6d7e8f900"],
+        ),
+        ("", []),
+    ],
+)
+def test_slurm_prolog_checks_only_the_jobs_gpus(slurm, job_gpus, expected):
+    slurm.health(0, OK_0)
+    assert slurm.run("prolog.sh", SLURM_JOB_GPUS=job_gpus).returncode == 0
+    assert slurm.health_argv == ["health", "--from", f"http://127.0.0.1:{DEFAULT_PORT}", *expected]
+
+
+def test_slurm_epilog_checks_every_gpu_of_the_node(slurm):
+    slurm.health(0, OK_0)
+    assert slurm.run("epilog.sh", SLURM_JOB_GPUS="1").returncode == 0
+    assert "--gpu" not in slurm.health_argv
+
+
+@pytest.mark.parametrize("script", SLURM_SCRIPTS)
+def test_slurm_fails_even_when_the_drain_does_not_work(slurm, script):
+    slurm.health(1, CRITICAL_1)
+    slurm.scontrol(1)
+    run = slurm.run(script)
+    assert run.returncode == 1  # Slurm drains a node whose prolog or epilog fails itself
+    assert f"scontrol failed (1) to drain {NODE}" in run.stderr
+    env = {k: v for k, v in slurm.env.items() if k != "SLURMD_NODENAME"}
+    slurm.env = env
+    slurm.scontrol(0)
+    (slurm.dir / "scontrol.argv").unlink()
+    run = slurm.run(script)
+    assert run.returncode == 1
+    assert slurm.drain is None
+    assert "SLURMD_NODENAME is not set" in run.stderr
+
+
+def test_slurm_scripts_share_their_code():
+    texts = [(REPO / "deploy" / "slurm" / s).read_text() for s in SLURM_SCRIPTS]
+    for name, text in zip(SLURM_SCRIPTS, texts, strict=True):
+        assert text.startswith("#!/bin/sh\n"), name
+        assert "\nset -u\n" in text, name
+        assert os.access(REPO / "deploy" / "slurm" / name, os.X_OK), name
+        assert text.count(SHARED_MARK) == 1, name
+    prolog, epilog = (t[t.index(SHARED_MARK) :] for t in texts)
+    assert prolog == epilog, "the shared part of prolog.sh and epilog.sh differs"
+
+
+def test_slurm_scripts_shellcheck():
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck is not installed (Debian/Ubuntu: apt-get install shellcheck)")
+    scripts = [str(REPO / "deploy" / "slurm" / s) for s in SLURM_SCRIPTS]
+    run = subprocess.run([shellcheck, "--shell=sh", *scripts], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr

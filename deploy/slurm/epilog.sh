@@ -1,0 +1,165 @@
+#!/bin/sh
+# Slurm Epilog: after a job, drain the node when gpu-exporter judges one of its GPUs critical,
+# so that no further job starts on it.
+#
+# Runs `gpu-exporter health --from "$GPU_EXPORTER_URL"` for every GPU of the node (a job can
+# leave a GPU broken, and the next job on any GPU of the node is better placed elsewhere than
+# next to it) and acts on its exit code:
+#   0  no GPU is critical (warnings pass, unless GPU_EXPORTER_STRICT=1): exit 0.
+#   1  a GPU is critical: drain the node, the first failing GPU's line as the reason, and exit
+#      1 (Slurm drains a node whose epilog fails as well; deploy/slurm/README.md).
+#   2  could not decide (agent unreachable, no driver); so also a missing gpu-exporter, no
+#      answer within GPU_EXPORTER_HEALTH_TIMEOUT, an exit 1 that names no failing GPU (a
+#      crash): log it (stderr and syslog) and exit 0. GPU_EXPORTER_DRAIN_ON_UNKNOWN=1 drains
+#      and fails instead.
+#
+# Settings, from the environment (Slurm starts epilogs with only its own variables: set them in
+# a wrapper, README.md):
+#   GPU_EXPORTER_URL                 the agent (default http://127.0.0.1:9402)
+#   GPU_EXPORTER_BIN                 the program (default gpu-exporter, looked up in PATH)
+#   GPU_EXPORTER_STRICT=1            warnings fail too (gpu-exporter health --strict)
+#   GPU_EXPORTER_DRAIN_ON_UNKNOWN=1  "could not decide" drains and fails too
+#   GPU_EXPORTER_HEALTH_TIMEOUT      seconds to wait for the answer (default 30)
+set -u
+
+me=gpu-exporter-slurm-epilog
+# Every GPU of the node.
+gpus=""
+
+# ---- shared by prolog.sh and epilog.sh from here on: keep the two copies equal ----
+
+# Slurm starts prologs and epilogs without a search path: add the usual one (after whatever PATH
+# there is, so that a PATH set by a wrapper wins).
+PATH="${PATH:+$PATH:}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+export PATH
+
+url="${GPU_EXPORTER_URL:-http://127.0.0.1:9402}"
+bin="${GPU_EXPORTER_BIN:-gpu-exporter}"
+limit="${GPU_EXPORTER_HEALTH_TIMEOUT:-30}"
+job="${SLURM_JOB_ID:-?}"
+node="${SLURMD_NODENAME:-}"
+#: The longest GPU line a drain reason quotes (sinfo -R shows the start; scontrol show node all).
+max_line=160
+
+log() {
+    # stderr (slurmd's log, at its debug level) and syslog, where people look for it
+    printf '%s: job %s: %s\n' "$me" "$job" "$*" >&2
+    if command -v logger >/dev/null 2>&1; then
+        logger -p daemon.warning -t "$me" -- "job $job: $*" 2>/dev/null || :
+    fi
+}
+
+# The GPUs as gpu-exporter health --gpu wants them: comma-separated indices or UUIDs. Slurm
+# writes indices ("0,1"); a range ("0-3") is expanded in case a version writes one.
+gpu_list() {
+    list="" old_ifs=$IFS
+    set -f
+    IFS=,
+    for item in $1; do
+        lo=${item%%-*} hi=${item#*-}
+        case "$item" in
+            "") ;;
+            *-*)
+                case "$lo$hi" in
+                    "" | *[!0-9]*) list="$list,$item" ;; # a UUID: as it is
+                    *)
+                        i=$lo
+                        while [ "$i" -le "$hi" ]; do
+                            list="$list,$i"
+                            i=$((i + 1))
+                        done
+                        ;;
+                esac
+                ;;
+            *) list="$list,$item" ;;
+        esac
+    done
+    IFS=$old_ifs
+    set +f
+    printf '%s' "${list#,}"
+}
+
+# gpu-exporter health's output (stdout and stderr) and exit status; 127 without the program,
+# 124 (or 137) when it did not answer within $limit seconds.
+run_health() {
+    if ! command -v "$bin" >/dev/null 2>&1; then
+        echo "$bin: not found (PATH=$PATH)"
+        return 127
+    fi
+    if command -v timeout >/dev/null 2>&1; then
+        timeout -k 5 "$limit" "$bin" health --from "$url" "$@" 2>&1
+    else
+        "$bin" health --from "$url" "$@" 2>&1
+    fi
+}
+
+drain() {
+    line=$(printf '%s' "$1" | tr -cd '[:print:]')
+    if [ "${#line}" -gt "$max_line" ]; then
+        line="$(printf '%s' "$line" | cut -c "1-$((max_line - 3))")..."
+    fi
+    reason="gpu-exporter: $line$2"
+    if [ -z "$node" ]; then
+        log "SLURMD_NODENAME is not set, so the node cannot be drained: $reason"
+        return
+    fi
+    if scontrol update nodename="$node" state=drain reason="$reason"; then
+        log "drained $node: $reason"
+    else
+        log "scontrol failed ($?) to drain $node: $reason"
+    fi
+}
+
+# Exit 2 of gpu-exporter health, and whatever else does not say which GPU failed.
+undecided() {
+    if [ "${GPU_EXPORTER_DRAIN_ON_UNKNOWN:-0}" = 1 ]; then
+        log "could not decide ($1); draining, as GPU_EXPORTER_DRAIN_ON_UNKNOWN=1 asks"
+        drain "could not decide: $1" ""
+        exit 1
+    fi
+    log "could not decide ($1); not draining (GPU_EXPORTER_DRAIN_ON_UNKNOWN=1 would)"
+    exit 0
+}
+
+set --
+if [ "${GPU_EXPORTER_STRICT:-0}" = 1 ]; then
+    set -- "$@" --strict
+fi
+gpus=$(gpu_list "$gpus")
+if [ -n "$gpus" ]; then
+    set -- "$@" --gpu "$gpus"
+fi
+output=$(run_health "$@")
+rc=$?
+
+case $rc in
+    0)
+        exit 0
+        ;;
+    1)
+        # One line per GPU: "GPU 1 GPU-...: critical: memory_repair: ...; xid: ...".
+        failing=$(printf '%s\n' "$output" | grep -E '^GPU [0-9]+ [^:]*: critical(:|$)')
+        if [ -z "$failing" ]; then
+            failing=$(printf '%s\n' "$output" | grep -E '^GPU [0-9]+ [^:]*: warning(:|$)')
+        fi
+        if [ -n "$failing" ]; then
+            more=$(($(printf '%s\n' "$failing" | wc -l) - 1))
+            suffix=""
+            if [ "$more" -gt 0 ]; then
+                suffix=" (+$more more)"
+            fi
+            drain "$(printf '%s\n' "$failing" | head -n 1)" "$suffix"
+            exit 1
+        fi
+        # Exit 1 without a failing GPU line: a crash (Python exits 1 on an exception), not a
+        # verdict. Not a reason to drain every node it runs on.
+        undecided "exit 1 without a failing GPU: $(printf '%s\n' "$output" | tail -n 1)"
+        ;;
+    124 | 137)
+        undecided "no answer within ${limit}s from $bin health --from $url"
+        ;;
+    *)
+        said=$(printf '%s\n' "$output" | sed -n '/^gpu-exporter health: /{p;q;}')
+        undecided "exit $rc: ${said:-$(printf '%s\n' "$output" | tail -n 1)}"
+        ;;
+esac
