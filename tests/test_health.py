@@ -648,3 +648,45 @@ def critical_of(port: int) -> Any:
     except OSError:
         return None
     return status == 200 and json.loads(body)["verdict"] == "critical" and json.loads(body)
+
+
+SWINGS = """
+gpus:
+  - name: NVIDIA H100 80GB HBM3
+    memory_total: 80GiB
+    fields:
+      pcie_link_width_max: 16
+      pcie_link_generation_max: 5
+      row_remap_pending: {points: [[0, 0], [10, 0], [10.001, 1], [20, 1], [20.001, 0]]}
+      recovery_action: {points: [[0, 0], [30, 0], [30.001, 1], [40, 1], [40.001, 0]]}
+      pcie_link_width: {points: [[0, 16], [45, 16], [45.001, 8], [115, 8], [115.001, 16]]}
+    ecc:
+      enabled: true
+      uncorrected: {points: [[0, 0], [130, 0], [130.001, 3], [140, 3], [140.001, 0]]}
+    nvlink:
+      links: 2
+      down: [{link: 1, from: 150s, until: 160s}]
+    errors:
+      - {error: GpuIsLost, from: 170s, until: 180s}
+"""
+
+
+def test_the_simulated_host_drives_the_checks_both_ways(simulated, collector, clock):
+    """Through the real NVML module and the simulated driver: each check goes bad and back."""
+    simulated(SWINGS)
+    tracker = HealthTracker()
+    seen: dict[str, list[int]] = {name: [] for name in CHECKS}
+    for _ in range(200):
+        clock.advance(1.0)
+        tracker.observe(collector.sample())
+        (verdict,) = tracker.verdicts().values()
+        for check in verdict.checks:
+            if not seen[check.name] or seen[check.name][-1] != check.level:
+                seen[check.name].append(check.level)
+    assert seen["memory_repair"] == [0, 2, 0]
+    assert seen["recovery_action"] == [0, 2, 0]
+    assert seen["pcie"] == [0, 1, 0]
+    assert seen["ecc"] == [0, 2, 0]
+    assert seen["nvlink"] == [0, 2, 0]
+    assert seen["lost"] == [0, 2, 0]
+    assert seen["xid"] == seen["thermal"] == seen["clocks"] == [0]
