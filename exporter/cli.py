@@ -251,7 +251,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         import json
 
-        print(json.dumps(snapshot.to_dict(), indent=1))
+        from exporter.core.health import assess
+
+        data = snapshot.to_dict()
+        verdicts = assess([snapshot])  # as /snapshot carries the agent's
+        for gpu in data["gpus"]:
+            verdict = verdicts.get(gpu["uuid"])
+            gpu["health"] = verdict.to_dict() if verdict is not None else None
+        print(json.dumps(data, indent=1))
     else:
         print(format_status(snapshot))
     return EXIT_OK

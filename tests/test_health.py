@@ -690,3 +690,14 @@ def test_the_simulated_host_drives_the_checks_both_ways(simulated, collector, cl
     assert seen["nvlink"] == [0, 2, 0]
     assert seen["lost"] == [0, 2, 0]
     assert seen["xid"] == seen["thermal"] == seen["clocks"] == [0]
+
+
+def test_status_json_carries_the_verdict_of_its_sample(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    scenario = write(tmp_path, SICK, "sick.yaml")
+    code, out, _ = run_main(["status", "--simulate", scenario, "--json"], capsys)
+    verdicts = [gpu["health"]["verdict"] for gpu in json.loads(out)["gpus"]]
+    assert code == 0 and verdicts == ["critical", "ok", "warning"]
+    code, out, _ = run_main(["status", "--simulate", scenario], capsys)
+    assert "CRITICAL remap pending" in out.splitlines()[2]
