@@ -7,7 +7,7 @@
 
 It starts ``gpu-exporter serve --simulate SCENARIO`` (this interpreter, ``-m exporter``) on a
 free loopback port with a short ``--interval``, a lock directory of its own, the simulation's
-device stand-ins as ``paths.dev``, and a config that runs the three actions every second
+device stand-ins as ``paths.dev``, and a config that runs the four actions every second
 (``--actions-every``; the reaper in its default dry run, with an audit log file), so that
 they run hundreds of times over the churning PIDs, not a few. The scenario (written per run,
 in a temporary folder) gives every GPU moving values and four processes NVML lists:
@@ -129,6 +129,7 @@ def agent_config(actions_every: float, audit_log: str) -> str:
     actions = {
         "zombie_reaper": {**every, "audit_log": audit_log},
         "thermal": dict(every),
+        "health": dict(every),
         "recommend": dict(every),
     }
     return yaml.safe_dump({"actions": actions}, sort_keys=False)

@@ -7,6 +7,7 @@ every run the actions' metrics are rendered once, and scrapes serve those bytes.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -17,7 +18,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.executors.pool import BasePoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -40,6 +41,23 @@ log = logging.getLogger(__name__)
 #: Default schedule of each action, seconds between runs.
 DEFAULT_EVERY = {action.name: action.every for action in ACTIONS}
 S = TypeVar("S")
+
+
+class _StartedPool(BasePoolExecutor):
+    """APScheduler's thread pool with a thread per action, every one started at once.
+
+    concurrent.futures starts a worker only when a job finds none idle, so a pool that starts
+    lazily grows the first time several actions' runs overlap, hours in perhaps: a thread count
+    that moves then looks like a leak. Runs of one action never overlap, so this many threads
+    is all there ever are.
+    """
+
+    def __init__(self, workers: int) -> None:
+        pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="action")
+        started = threading.Barrier(workers)
+        for _ in range(workers):
+            pool.submit(started.wait)  # each waits for the others: every worker is made
+        super().__init__(pool)
 
 
 @dataclass(frozen=True)
@@ -186,7 +204,7 @@ class ActionEngine:
         """Start the scheduler; interval jobs run once right away."""
         logging.getLogger("apscheduler").setLevel(logging.ERROR)  # we log runs and failures
         self._scheduler = BackgroundScheduler(
-            executors={"default": ThreadPoolExecutor(len(self._registry))},
+            executors={"default": _StartedPool(len(self._registry))},
             job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
         )
         self._scheduler.start()
