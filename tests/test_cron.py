@@ -164,3 +164,36 @@ def test_a_bad_cron_is_a_config_error_at_its_line():
     message = str(failed.value)
     assert message.startswith("c.yaml:3") and "actions.thermal.cron" in message, message
     assert "do not wrap" in message, message
+
+
+# -- the schedules' time zone ------------------------------------------------------------------
+
+
+def test_the_schedule_zone_is_utc_without_a_warning_where_none_is_configured(caplog):
+    import warnings
+
+    from exporter.actions.timezone import schedule_timezone
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # tzlocal's UserWarning would fail the test
+        zone = schedule_timezone({}, exists=lambda path: False)
+    assert zone is datetime.timezone.utc and caplog.records == []
+
+
+def test_the_schedule_zone_follows_tz(caplog):
+    import zoneinfo
+
+    from exporter.actions.timezone import schedule_timezone
+
+    assert schedule_timezone({"TZ": "Europe/Berlin"}) == zoneinfo.ZoneInfo("Europe/Berlin")
+    assert schedule_timezone({"TZ": ":Asia/Tokyo"}) == zoneinfo.ZoneInfo("Asia/Tokyo")
+    assert schedule_timezone({"TZ": "Mars/Olympus_Mons"}) is datetime.timezone.utc
+    assert caplog.messages == [
+        "TZ='Mars/Olympus_Mons' is not a time zone this host knows; schedules use UTC"
+    ]
+
+
+def test_cron_triggers_use_the_schedule_zone():
+    from exporter.actions.timezone import host_timezone
+
+    assert cron_trigger("0 9 * * 1").timezone == host_timezone()

@@ -21,6 +21,8 @@ from apscheduler.triggers.base import BaseTrigger
 from apscheduler.triggers.combining import OrTrigger
 from apscheduler.triggers.cron import CronTrigger
 
+from exporter.actions.timezone import host_timezone
+
 #: The ``@`` macros of Vixie cron (``@reboot`` has no meaning for a scheduler of repeats).
 MACROS = {
     "@yearly": "0 0 1 1 *",
@@ -64,7 +66,7 @@ _FIELDS = (_MINUTE, _HOUR, _DOM, _MONTH, _DOW)
 
 def cron_trigger(expression: str, timezone: datetime.tzinfo | str | None = None) -> BaseTrigger:
     """A trigger that fires when cron would run ``expression`` (five fields or an ``@`` macro),
-    in ``timezone`` (default: the host's local time zone)."""
+    in ``timezone`` (default: the host's, see ``actions.timezone``)."""
     texts = _split(expression)
     minute, hour, dom, month, dow = (
         _parse_field(text, field) for text, field in zip(texts, _FIELDS, strict=True)
@@ -74,7 +76,7 @@ def cron_trigger(expression: str, timezone: datetime.tzinfo | str | None = None)
         "minute": _listing(minute, _MINUTE),
         "hour": _listing(hour, _HOUR),
         "month": _listing(month, _MONTH),
-        "timezone": timezone,
+        "timezone": timezone if timezone is not None else host_timezone(),
     }
     by_dom = {"day": _listing(dom, _DOM)}
     by_dow = {"day_of_week": _weekdays(dow)}

@@ -27,6 +27,7 @@ from exporter.actions.base import Action, ActionType, Context
 from exporter.actions.cron import cron_trigger
 from exporter.actions.recommend import RecommendConfig, judgements
 from exporter.actions.registry import ACTIONS
+from exporter.actions.timezone import host_timezone
 from exporter.config.policies import policy_with
 from exporter.config.validate import boolean, positive_duration
 from exporter.config.yamlconf import Section
@@ -204,6 +205,7 @@ class ActionEngine:
         """Start the scheduler; interval jobs run once right away."""
         logging.getLogger("apscheduler").setLevel(logging.ERROR)  # we log runs and failures
         self._scheduler = BackgroundScheduler(
+            timezone=host_timezone(),
             executors={"default": _StartedPool(len(self._registry))},
             job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
         )
@@ -220,7 +222,7 @@ class ActionEngine:
                 trigger: Any = cron_trigger(settings.cron)
                 first = None
             else:
-                trigger = IntervalTrigger(seconds=settings.every)
+                trigger = IntervalTrigger(seconds=settings.every, timezone=host_timezone())
                 delay = datetime.timedelta(seconds=min(1.0, settings.every or 1.0))
                 first = datetime.datetime.now(datetime.timezone.utc) + delay  # after a sample
             self._scheduler.add_job(
