@@ -701,3 +701,43 @@ def test_status_json_carries_the_verdict_of_its_sample(
     assert code == 0 and verdicts == ["critical", "ok", "warning"]
     code, out, _ = run_main(["status", "--simulate", scenario], capsys)
     assert "CRITICAL remap pending" in out.splitlines()[2]
+
+
+def test_without_the_health_action_there_is_no_verdict_and_nothing_is_refused_for_health(
+    tmp_path: Path,
+):
+    scenario = write(tmp_path, SICK, "sick.yaml")
+    config = write(tmp_path, "actions:\n  health:\n    enabled: false\n")
+    with serve(tmp_path, "--simulate", scenario, "--config", config, "--interval", "200ms") as (
+        proc,
+        port,
+    ):
+        url = f"http://127.0.0.1:{port}"
+
+        def recommended() -> Any:
+            try:
+                return http_get(f"{url}/recommend?count=3")
+            except OSError:
+                return None
+
+        status, body = until(lambda: (r := recommended()) and r[0] == 200 and r, "a choice")
+        assert len(json.loads(body)["chosen"]) == 3  # the GPU with a remap pending too
+        status, body = http_get(f"{url}/health/gpus")
+        assert status == 503 and "the health action is off" in body
+        _, metrics = http_get(f"{url}/metrics")
+        assert "gpu_health{" not in metrics and "gpu_health_check{" not in metrics
+        assert 'gpu_exporter_action_enabled{action="health"} 0.0' in metrics
+        _, snapshot = http_get(f"{url}/snapshot")
+        assert all(gpu["health"] is None for gpu in json.loads(snapshot)["gpus"])
+        assert proc.poll() is None
+
+
+def test_a_failing_health_run_is_counted_and_the_last_verdict_stays():
+    findings = Findings()
+    action = HealthAction(HealthConfig(), findings, state_file="")
+    action.run([snapshot_of(1, gpu(0, fields={"row_remap_pending": 1}))], 1.0)
+    broken = replace(gpu(0), fields=None)  # a Snapshot no sampler makes: the run raises
+    with pytest.raises(AttributeError):  # the engine counts it in gpu_exporter_action_failures
+        action.run([snapshot_of(2, broken)], 2.0)
+    published = findings.get(HealthVerdicts)
+    assert published is not None and published.verdicts["GPU-0"].level == 2
