@@ -157,13 +157,14 @@ def choose(
     *,
     mine: int = -1,
     unusable: Mapping[str, str] = _NONE,
+    ours: Collection[str] = (),
 ) -> Choosing:
     """Recommend under ``policy`` among what ``CUDA_VISIBLE_DEVICES`` shows, skipping GPUs locked
     by other processes than ``mine`` (a pid) and those whose lock file is ``unusable`` (UUID ->
-    why)."""
+    why). GPUs in ``ours`` are locked by this process: never reserved by anyone else."""
     latest = snapshots[-1]
     visible, note = _visible(visible_env, latest)
-    locked = set(_reserved(latest, mine)) | set(unusable)
+    locked = set(_reserved(latest, mine, ours)) | set(unusable)
     # the verdict these samples support (no XID history here: docs/launcher.md says what)
     health = assess(snapshots)
     recommendation = recommend(policy, snapshots, locked=locked, visible=visible, health=health)
@@ -176,12 +177,15 @@ def _visible(visible_env: str | None, snapshot: Snapshot) -> tuple[dict[str, str
     return visible_uuids(visible_env, snapshot.gpus, order)
 
 
-def _reserved(snapshot: Snapshot, mine: int = -1) -> dict[str, str]:
-    """UUID -> reason of the GPUs a launcher lock of another process than ``mine`` holds."""
+def _reserved(snapshot: Snapshot, mine: int = -1, ours: Collection[str] = ()) -> dict[str, str]:
+    """UUID -> reason of the GPUs a launcher lock of another process than ``mine`` holds, less
+    ``ours``, whose locks this process holds: a lock whose holder is not visible here (reserved by
+    ``UNKNOWN_HOLDER``, the mark of our own lock when ``/proc/locks`` is unreadable) cannot be
+    another's on those, since we hold their ``flock``."""
     return {
         g.uuid: "reserved by a launcher lock"
         for g in snapshot.gpus
-        if g.uuid and g.reserved_by is not None and g.reserved_by != mine
+        if g.uuid and g.reserved_by is not None and g.reserved_by != mine and g.uuid not in ours
     }
 
 
@@ -384,7 +388,7 @@ class _Search:
             return _LOST  # someone took one first
         fresh = self.gpus.sample()  # under the lock: are they still good enough?
         check = replace(self.policy, count=len(chosen), window=1)
-        again = choose(check, [fresh], ",".join(chosen), mine=os.getpid())
+        again = choose(check, [fresh], ",".join(chosen), mine=os.getpid(), ours=reservation.uuids)
         if not again.recommendation.ok:
             reservation.release()
             for uuid in chosen:
