@@ -1,11 +1,45 @@
-"""GPU reservations: an exclusive ``flock`` on one file per GPU UUID in a shared lock directory.
+"""GPU reservations: an exclusive ``flock`` on one file per GPU UUID in a shared lock directory,
+marked with an open file description (OFD) read lock that readers in any PID namespace can see.
 
-Taking the lock is the commit point. The lock belongs to the open file description: the kernel
-releases it when the last descriptor of it is closed (by ``run`` once its job's last process has
-exited, or by the last process that inherited it), so there are no stale locks to clean up. Lock
-files are opened without following symlinks and never truncated or written, so a hostile file or
-link in a shared directory cannot make us write anywhere. A launcher resolves its lock directory
-once (:func:`open_lock_dir`) and works relative to that open directory from then on.
+Taking the ``flock`` is the commit point. The lock belongs to the open file description: the
+kernel releases it when the last descriptor of it is closed (by ``run`` once its job's last
+process has exited, or by the last process that inherited it), so there are no stale locks to
+clean up. Lock files are opened without following symlinks and never truncated or written, so a
+hostile file or link in a shared directory cannot make us write anywhere. A launcher resolves its
+lock directory once (:func:`open_lock_dir`) and works relative to that open directory from then
+on.
+
+Why two locks. Readers (the agent, ``status``, ``recommend``) found a ``flock`` in
+``/proc/locks``, which records the PID that took it. In a PID namespace where that PID does not
+exist (a container with its own namespace, while the launcher runs outside it or after the
+launcher has exited and left the lock to its job) the kernel leaves the line out, and a GPU a
+running job holds looked free. ``F_OFD_GETLK`` cannot see a ``flock`` either. So, once it holds a
+``flock``, a launcher also takes an OFD read lock (``F_OFD_SETLK``, ``F_RDLCK``, the whole file)
+on the same open file description (:func:`_mark`). An OFD lock belongs to the description too:
+the job inherits it with the descriptor, and the kernel drops it, with the ``flock``, at the last
+close. It has no PID, so it is visible from any namespace: ``F_OFD_GETLK`` reports it (``l_pid``
+-1), and ``/proc/locks`` lists it as ``OFDLCK ... -1`` everywhere.
+
+Why this keeps every launcher apart, old and new. On Linux ``flock`` locks and ``fcntl``/OFD
+locks are independent: neither conflicts with the other. Exclusion rests on the ``flock`` alone,
+which every launcher, of this version or an older one, takes first and without which none goes
+on. The OFD lock is only a mark, taken after the ``flock`` succeeded (and the name was checked to
+still be the file locked), never instead of it, so no launcher can hold a mark without the
+``flock``, and a mark can keep no one off a GPU: read locks are shared, and launchers never take
+write locks. A write lock would need a descriptor open for writing, which a user cannot get on
+the agent's 0644 lock file, and which lock files are never opened with; it would also be a second
+exclusion that older launchers do not take, adding nothing to the ``flock``. The order: ``flock``
+then mark, so a reader that sees a mark always sees a real holder; the cost is a moment, between
+the two calls, in which a reader in another namespace sees the GPU free, which lets no launcher
+onto it (its ``flock`` still fails). On a file system or kernel without OFD locks (some NFS
+setups: ``ENOLCK``, ``EINVAL``...) the mark is skipped and the ``flock`` works alone, as before.
+
+What readers see (:func:`held_locks`, which never takes a lock): the ``flock`` holder's PID from
+``/proc/locks`` where that PID is visible; otherwise, when a mark is held (probed with
+``F_OFD_GETLK`` for a write lock, from a read-only descriptor: the kernel checks no open mode for
+a probe, only for taking a lock, and a write-lock probe conflicts with any read lock; or an
+``OFDLCK`` line of ``/proc/locks``), :data:`UNKNOWN_HOLDER`. An older launcher's ``flock``, which
+has no mark, is still seen where its taker's PID is visible, and only there.
 """
 
 from __future__ import annotations
@@ -15,6 +49,8 @@ import errno
 import fcntl
 import os
 import stat
+import struct
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -23,6 +59,23 @@ SYSTEM_LOCK_DIR = "/run/gpu-exporter/locks"
 SUFFIX = ".lock"
 #: Where the per-user fallback directory goes without XDG_RUNTIME_DIR (a variable for tests).
 USER_TMP = "/tmp"
+#: The holder :func:`held_locks` reports for a lock that is held while the PID that took it is
+#: not visible from here (another PID namespace, or gone). No process has PID 0; the kernel itself
+#: reports 0 for a lock holder it cannot name in the reader's namespace.
+UNKNOWN_HOLDER = 0
+
+#: ``struct flock`` as 64-bit Linux lays it out (x86_64, aarch64, ppc64le, s390x, riscv64):
+#: ``short l_type, l_whence; off_t l_start, l_len; pid_t l_pid``, padded to 32 bytes.
+_FLOCK = struct.Struct("hhqqi4x")
+_OFD_GETLK: int | None = getattr(fcntl, "F_OFD_GETLK", None)
+_OFD_SETLK: int | None = getattr(fcntl, "F_OFD_SETLK", None)
+#: Whether this platform has OFD locks with that layout; without them, ``flock`` alone.
+OFD_LOCKS = (
+    sys.platform.startswith("linux")
+    and _OFD_GETLK is not None
+    and _OFD_SETLK is not None
+    and struct.calcsize("P") == 8
+)
 
 
 class LockError(Exception):
@@ -344,11 +397,69 @@ def _lock(lock_dir: LockDir, name: str) -> int | None:
             os.close(fd)
             raise LockError(f"cannot lock {lock_dir.show(name)}: {exc.strerror}") from None
         if _still_named(fd, lock_dir, name):
+            _mark(fd)
             return fd
         # Removed or replaced between open and flock: a lock on that file guards nothing, since
         # the next launcher opens whatever the name is now.
         os.close(fd)
     raise LockError(f"cannot lock {lock_dir.show(name)}: it keeps being removed or replaced")
+
+
+def _whole_file(kind: int) -> bytes:
+    """A ``struct flock`` for ``kind`` (``F_RDLCK``, ``F_WRLCK``) over the whole file; ``l_pid``
+    0, as the OFD commands require."""
+    return _FLOCK.pack(kind, os.SEEK_SET, 0, 0, 0)
+
+
+def _mark(fd: int) -> bool:
+    """Take an OFD read lock on ``fd``'s open file description, which must hold the ``flock``
+    already: the mark that readers in any PID namespace see (see the module's docstring).
+
+    False when it could not be taken: no OFD locks on this platform, kernel or file system
+    (``EINVAL``, ``ENOLCK``, ``EOPNOTSUPP``), or someone holds a write lock on the file (which a
+    probe sees anyway). The ``flock`` alone still keeps every launcher off the GPU, as before.
+    """
+    if not OFD_LOCKS:
+        return False
+    assert _OFD_SETLK is not None
+    try:
+        fcntl.fcntl(fd, _OFD_SETLK, _whole_file(fcntl.F_RDLCK))
+    except OSError:
+        return False
+    return True
+
+
+def _marked(lock_dir: LockDir, name: str, key: tuple[int, int, int]) -> bool:
+    """Whether an OFD lock is held on the lock file ``name`` (the file ``key`` names), probed
+    with ``F_OFD_GETLK``, which takes nothing.
+
+    The probe asks about a write lock, which any read or write lock of another open file
+    description conflicts with; the kernel checks no open mode for a probe, so a read-only
+    descriptor can ask (on a file the reader may only read). A POSIX lock (``l_pid`` not -1) is not
+    a launcher's and does not count; it could hide a mark from the probe, which
+    ``/proc/locks`` then still shows. False when the file cannot be opened (unreadable,
+    replaced by another kind of file since it was listed) or probed.
+    """
+    if not OFD_LOCKS:
+        return False
+    assert _OFD_GETLK is not None
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, dir_fd=lock_dir.fd)
+    except OSError:
+        return False
+    try:
+        info = os.fstat(fd)
+        same = (os.major(info.st_dev), os.minor(info.st_dev), info.st_ino) == key
+        if not stat.S_ISREG(info.st_mode) or not same:
+            return False
+        answer = fcntl.fcntl(fd, _OFD_GETLK, _whole_file(fcntl.F_WRLCK))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    kind, _, _, _, pid = _FLOCK.unpack(answer)
+    return kind != fcntl.F_UNLCK and pid == -1
 
 
 def _still_named(fd: int, lock_dir: LockDir, name: str) -> bool:
@@ -362,7 +473,8 @@ def _still_named(fd: int, lock_dir: LockDir, name: str) -> bool:
 
 @dataclass
 class Reservation:
-    """Locks held on some GPUs; ``fds`` are what a job must inherit to keep them."""
+    """Locks held on some GPUs; ``fds`` are what a job must inherit to keep them (each one's
+    ``flock`` and mark belong to its open file description)."""
 
     uuids: tuple[str, ...]
     fds: tuple[int, ...]
@@ -420,29 +532,41 @@ def _lock_files(lock_dir: LockDir) -> dict[tuple[int, int, int], str]:
 
 
 def held_locks(lock_dir: str | LockDir, proc_root: str = "/proc") -> dict[str, int]:
-    """GPU UUID -> pid of the process that holds its lock, read from ``<proc>/locks`` (reading
-    never takes a lock, so it cannot get in a launcher's way).
+    """GPU UUID -> pid of the process that took its lock, or :data:`UNKNOWN_HOLDER` when the lock
+    is held but that process is not visible from here. Reading never takes a lock, so it cannot
+    get in a launcher's way.
 
-    The pid is the process that took the lock: a ``run`` launcher holds its job's locks until
-    the job's last process has exited, so it names the launcher for as long as the launcher lives.
+    The pid comes from the ``flock``'s line in ``<proc>/locks``: a ``run`` launcher holds its
+    job's locks until the job's last process has exited, so it names the launcher for as long as
+    the launcher lives. The kernel leaves that line out in a PID namespace where the pid does not
+    exist; the launcher's OFD mark says the GPU is held all the same, found by probing the file
+    with ``F_OFD_GETLK`` (without ``<proc>/locks``, too) or by its ``OFDLCK`` line there (see the
+    module's docstring). An older launcher's ``flock`` has no mark: seen only where its pid is.
     """
     try:
         with _opened(lock_dir, strict=False) as opened:
             files = _lock_files(opened)
+            holders = {
+                uuid: UNKNOWN_HOLDER
+                for key, uuid in files.items()
+                if _marked(opened, uuid + SUFFIX, key)
+            }
     except (OSError, LockError):
         return {}
     if not files:
         return {}
-    holders: dict[str, int] = {}
     try:
         with open(f"{proc_root}/locks", encoding="ascii", errors="replace") as handle:
             lines = handle.readlines()
     except OSError:
-        return {}
+        return holders
     for line in lines:
         parts = line.split()
-        # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF"; waiters have "->" after the number
-        if len(parts) < 6 or parts[1] != "FLOCK" or parts[3] != "WRITE":
+        # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF", "2: OFDLCK ADVISORY  READ -1 ...";
+        # waiters have "->" after the number
+        if len(parts) < 6 or parts[1] not in ("FLOCK", "OFDLCK"):
+            continue
+        if parts[1] == "FLOCK" and parts[3] != "WRITE":
             continue
         try:
             major, minor, inode = parts[5].split(":")
@@ -450,6 +574,11 @@ def held_locks(lock_dir: str | LockDir, proc_root: str = "/proc") -> dict[str, i
             pid = int(parts[4])
         except ValueError:
             continue
-        if key in files:
-            holders[files[key]] = pid
+        uuid = files.get(key)
+        if uuid is None:
+            continue
+        if parts[1] == "FLOCK" and pid > 0:  # remote (NFS) locks have none
+            holders[uuid] = pid
+        else:
+            holders.setdefault(uuid, UNKNOWN_HOLDER)
     return holders

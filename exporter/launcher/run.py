@@ -3,8 +3,10 @@
 The launcher holds the locks until the job's last process has exited: it is the subreaper of the
 job's processes (see ``lineage``), so every process the job leaves behind, however it was
 started, stays its descendant, and it waits for all of them. The job also inherits the lock
-descriptors, so processes that keep them keep the GPUs even if the launcher is killed. The exit
-status is the job's main process's (128+N when a signal N ended it).
+descriptors, so processes that keep them keep the GPUs even if the launcher is killed; with them
+goes each lock's mark (``core.locks``), so that a reader in another PID namespace, which cannot
+see the dead launcher's ``flock``, still sees the GPUs reserved. The exit status is the job's
+main process's (128+N when a signal N ended it).
 """
 
 from __future__ import annotations
