@@ -6,6 +6,7 @@ import time
 
 from exporter.core.fields import RECOVERY_ACTIONS
 from exporter.core.health import Verdict, assess
+from exporter.core.locks import UNKNOWN_HOLDER
 from exporter.core.snapshot import Gpu, GpuProcess, Snapshot
 from exporter.core.units import format_bytes
 from exporter.core.xid import KEPT_PER_GPU
@@ -95,7 +96,9 @@ def _gpu_line(gpu: Gpu, now: float, verdict: Verdict | None = None) -> str:
     row = _GPU_ROW.format(
         gpu.index, name[:26], temp, util, memory, free, power, _throttle(gpu), health
     ).rstrip()
-    if gpu.reserved_by is not None:
+    if gpu.reserved_by == UNKNOWN_HOLDER:
+        row += "\n     reserved by a launcher lock (holder not visible from this PID namespace)"
+    elif gpu.reserved_by is not None:
         who = f"{gpu.reserved_by_user} " if gpu.reserved_by_user else ""
         row += f"\n     reserved by a launcher lock: {who}(pid {gpu.reserved_by})"
     return row

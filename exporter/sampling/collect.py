@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from exporter.core.activity import IdleTimes
-from exporter.core.locks import LockError, held_locks, provision
+from exporter.core.locks import UNKNOWN_HOLDER, LockError, held_locks, provision
 from exporter.core.nvml import GpuFailed, Nvml, NvmlProcess, NvmlUnavailable
 from exporter.core.procfs import ProcessInfo, ProcFs
 from exporter.core.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, SampleError, Snapshot
@@ -190,9 +190,13 @@ class Collector:
             self._reread.pop(index, None)
 
     def _reserved(self, gpu: Gpu, holder: int | None) -> Gpu:
-        """``gpu`` with the launcher lock's holder and its user (when visible here)."""
+        """``gpu`` with the launcher lock's holder and its user (when visible here); reserved by
+        ``UNKNOWN_HOLDER`` (0), with no user, when the lock is held by a process not visible
+        from this PID namespace."""
         if holder is None:
             return gpu
+        if holder == UNKNOWN_HOLDER:
+            return replace(gpu, reserved_by=UNKNOWN_HOLDER, reserved_by_user="")
         info = self.procfs.process(holder)
         return replace(gpu, reserved_by=holder, reserved_by_user=info.user if info else "")
 
