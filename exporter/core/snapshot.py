@@ -215,7 +215,7 @@ class Gpu:
     processes: tuple[GpuProcess, ...] | None = None
     #: PID that took this GPU's launcher lock (None: not reserved, or no lock directory). The
     #: lock lives on in the job that inherited it, so this PID may have exited since.
-    reserved_by: int | None = None
+    reserved_by: int | None = None  # 0: reserved, the taker not visible from this PID namespace
     #: the user of ``reserved_by`` ("" when unknown or not visible here)
     reserved_by_user: str = ""
 
