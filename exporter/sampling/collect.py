@@ -6,6 +6,7 @@ facts (read once per initialisation, and again when a failed GPU comes back).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -207,7 +208,14 @@ class Collector:
         self._provisioned.add(uuid)
         try:
             warning = provision(self.lock_dir, uuid)
-        except (LockError, OSError) as exc:
+        except OSError as exc:
+            if exc.errno == errno.EROFS:  # a --read-only image, a read-only mount of the host's
+                # directory: the agent only reads the locks there, and a lock file that a
+                # launcher makes there is still checked at the next start (provision: its owner).
+                log.debug("lock directory is read-only; %s has no lock file yet", uuid)
+                return
+            warning = f"cannot make the lock file of {uuid}: {exc}"
+        except LockError as exc:
             warning = f"cannot make the lock file of {uuid}: {exc}"
         if warning:
             log.warning("%s", warning)
