@@ -35,6 +35,10 @@ Limits (:class:`Options`, from the ``web.*`` settings; the module constants are 
   connection closes.
 
 Client misbehaviour (resets, garbage, TLS errors, timeouts) is logged at debug level only.
+
+``reconfigure`` (any thread; a web config reload's) swaps the app, the extra headers and the TLS
+context while serving: a request reads the app and headers once, so it sees one configuration;
+a connection takes the TLS context at accept, so open ones keep theirs and new ones get the new.
 """
 
 from __future__ import annotations
@@ -224,6 +228,25 @@ def _exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any])
     loop.default_exception_handler(context)
 
 
+@dataclass(frozen=True)
+class _Site:
+    """What a request is answered with, swapped whole by ``reconfigure``: the app, its
+    ``inline`` and the extra response headers."""
+
+    app: WsgiApp
+    inline: Callable[[Environ], bool]
+    headers: tuple[tuple[bytes, bytes], ...]
+
+    @classmethod
+    def of(cls, app: WsgiApp, headers: Sequence[tuple[str, str]]) -> _Site:
+        inline = getattr(app, "inline", None)
+        return cls(
+            app,
+            inline if callable(inline) else _never,
+            tuple((name.encode("latin-1"), value.encode("latin-1")) for name, value in headers),
+        )
+
+
 class HttpServer:
     """Serves a WSGI app on ``host:port`` from one event loop thread, with the limits above.
 
@@ -249,9 +272,8 @@ class HttpServer:
         stats: HttpStats | None = None,
     ) -> None:
         options = options or Options()
-        self.app = app
-        inline = getattr(app, "inline", None)
-        self._inline: Callable[[Environ], bool] = inline if callable(inline) else _never
+        self._site = _Site.of(app, options.headers)
+        #: Read at each accept: new connections get the context of the latest reconfigure.
         self.ssl_context = ssl_context
         self.stats = stats or HttpStats()
         self.max_connections = _default(options.max_connections, MAX_CONNECTIONS)
@@ -273,9 +295,6 @@ class HttpServer:
             max_header_line=min(MAX_HEADER_LINE, max_head),
             max_headers=MAX_HEADERS,
         )
-        self.extra_headers = [
-            (name.encode("latin-1"), value.encode("latin-1")) for name, value in options.headers
-        ]
         self._date = _Date()
         # The first address getaddrinfo gives (as http.server and prometheus_client do): "::"
         # binds IPv6, and IPv4 too where the host's bindv6only is 0.
@@ -311,6 +330,30 @@ class HttpServer:
         self._stopped = False
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="http-loop", daemon=True)
+
+    @property
+    def app(self) -> WsgiApp:
+        """The app requests are answered by now."""
+        return self._site.app
+
+    @property
+    def extra_headers(self) -> tuple[tuple[bytes, bytes], ...]:
+        """Added to every response now."""
+        return self._site.headers
+
+    def reconfigure(
+        self,
+        app: WsgiApp,
+        ssl_context: ssl.SSLContext | None,
+        headers: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        """Answer with ``app`` and add ``headers`` from the next request on, and hand
+        ``ssl_context`` to the connections accepted from now on (open ones keep theirs).
+        Any thread. TLS cannot be switched on or off: ValueError."""
+        if (ssl_context is None) != (self.ssl_context is None):
+            raise ValueError("TLS cannot be switched on or off while serving")
+        self._site = _Site.of(app, headers)  # one reference: a request reads it once
+        self.ssl_context = ssl_context
 
     @property
     def address(self) -> tuple[Any, ...]:
@@ -454,9 +497,10 @@ class HttpServer:
             reply = self.error_reply(exc.status, str(exc))
             reply.path = ""
             return reply
-        if self._inline(environ):
-            return self._call_app(environ, request)
-        self._workers.submit(self._loop, lambda: self._call_app(environ, request), done)
+        site = self._site
+        if site.inline(environ):
+            return self._call_app(site, environ, request)
+        self._workers.submit(self._loop, lambda: self._call_app(site, environ, request), done)
         return None
 
     def error_reply(self, status: int, message: str) -> Reply:
@@ -465,12 +509,12 @@ class HttpServer:
             (b"Content-Type", b"text/plain; charset=utf-8"),
             (b"Content-Length", str(len(body)).encode()),
             (b"Date", self._date()),
-            *self.extra_headers,
+            *self._site.headers,
         ]
         return Reply(status, _REASONS.get(status, b""), headers, [body], None, close=True)
 
-    def _call_app(self, environ: Environ, request: Request) -> Reply:
-        """The app's answer to ``environ``; a 500 when it raises."""
+    def _call_app(self, site: _Site, environ: Environ, request: Request) -> Reply:
+        """``site``'s answer to ``environ``; a 500 when its app raises."""
         started: list[Any] = []
 
         def start_response(
@@ -480,7 +524,7 @@ class HttpServer:
             return lambda data: None  # the legacy write() callable: unused by our app
 
         try:
-            result = self.app(environ, start_response)
+            result = site.app(environ, start_response)
             try:
                 body = list(result)
             finally:
@@ -504,7 +548,7 @@ class HttpServer:
         if not sized:
             headers.append((b"Content-Length", str(sum(map(len, body))).encode()))
         headers.append((b"Date", self._date()))
-        headers.extend(self.extra_headers)
+        headers.extend(site.headers)
         return Reply(status, reason.encode("latin-1"), headers, body, environ["PATH_INFO"])
 
     def _environ(self, request: Request, peer: Any) -> Environ:
