@@ -50,3 +50,32 @@ class HttpStats:
         with self._lock:
             requests = sorted((path, code, n) for (path, code), n in self.requests.items())
             return self.connections, self.rejected, requests
+
+
+class ReloadStats:
+    """The web config file's reloads (``gpu_exporter_web_config_*``): counted by result, whether
+    the last one succeeded, and when the running configuration was loaded (at start, then by
+    each successful reload). Written by the reloader's thread, read by scrapes."""
+
+    def __init__(self, loaded_at: float) -> None:
+        self.successes = 0
+        self.failures = 0
+        self.last_successful = True  # as Prometheus has it: the load at start succeeded
+        self.last_success = loaded_at
+        self._lock = threading.Lock()
+
+    def success(self, when: float) -> None:
+        with self._lock:
+            self.successes += 1
+            self.last_successful = True
+            self.last_success = when
+
+    def failure(self) -> None:
+        with self._lock:
+            self.failures += 1
+            self.last_successful = False
+
+    def snapshot(self) -> tuple[int, int, bool, float]:
+        """(successes, failures, last successful, last success as seconds since the epoch)."""
+        with self._lock:
+            return self.successes, self.failures, self.last_successful, self.last_success
