@@ -481,10 +481,12 @@ _HTTP_HELP = (
 )
 
 
-def _http_heads(openmetrics: bool) -> tuple[tuple[str, str], ...]:
-    """Per family of ``_HTTP_HELP``: its HELP and TYPE lines, and its samples' name."""
+def _http_heads(
+    openmetrics: bool, families: tuple[tuple[str, str, str], ...] = _HTTP_HELP
+) -> tuple[tuple[str, str], ...]:
+    """Per family of ``families``: its HELP and TYPE lines, and its samples' name."""
     heads = []
-    for name, kind, doc in _HTTP_HELP:
+    for name, kind, doc in families:
         sample = name + "_total" if kind == "counter" else name
         family = name if openmetrics else sample
         heads.append((f"# HELP {family} {doc}\n# TYPE {family} {kind}\n", sample))
@@ -516,6 +518,47 @@ def render_http(
         for path, code, n in requests
     ]
     return "".join(lines).encode()
+
+
+_WEB_CONFIG_HELP = (
+    (
+        "gpu_exporter_web_config_reloads",
+        "counter",
+        "Reloads of the web config file (a change to it or its TLS files, or SIGHUP), by result; "
+        "a failure keeps the running configuration.",
+    ),
+    (
+        "gpu_exporter_web_config_last_reload_successful",
+        "gauge",
+        "1 when the last reload of the web config succeeded (or none was tried), 0 when it failed.",
+    ),
+    (
+        "gpu_exporter_web_config_last_reload_success_timestamp_seconds",
+        "gauge",
+        "When the running web config was loaded: at start, or by the last successful reload.",
+    ),
+)
+_WEB_CONFIG_HEADS = {
+    False: _http_heads(False, _WEB_CONFIG_HELP),
+    True: _http_heads(True, _WEB_CONFIG_HELP),
+}
+
+
+def render_web_config(
+    successes: int,
+    failures: int,
+    last_successful: bool,
+    last_success: float,
+    openmetrics: bool = False,
+) -> bytes:
+    """The web config's ``gpu_exporter_web_config_*`` lines, as of the scrape (served only
+    with a web config)."""
+    (reloads_head, reloads), (ok_head, ok), (when_head, when) = _WEB_CONFIG_HEADS[openmetrics]
+    return (
+        f'{reloads_head}{reloads}{{result="success"}} {successes}\n'
+        f'{reloads}{{result="failure"}} {failures}\n'
+        f"{ok_head}{ok} {int(last_successful)}\n{when_head}{when} {last_success:.3f}\n"
+    ).encode()
 
 
 def _label(value: str) -> str:

@@ -32,13 +32,14 @@ from exporter.exposition.metrics import (
     openmetrics,
     render_http,
     render_liveness,
+    render_web_config,
 )
 from exporter.sampling.sampler import Sampler
 from exporter.web.auth import BasicAuth
 from exporter.web.compress import GzipCache
 from exporter.web.server import HttpServer, Options, WsgiApp, tls_context
-from exporter.web.stats import HttpStats
-from exporter.web.webconfig import WebConfig
+from exporter.web.stats import HttpStats, ReloadStats
+from exporter.web.webconfig import RELOAD_INTERVAL, WebConfig, WebConfigReloader
 
 
 class Actions(Protocol):
@@ -128,6 +129,8 @@ class App:
         }
         #: The server's counters (``gpu_exporter_http_*``); requests by route, else ``other``.
         self.http = HttpStats(self._routes)
+        #: The web config's reloads (``gpu_exporter_web_config_*``); None: no web config.
+        self.web_config: ReloadStats | None = None
         self._gzip = {False: GzipCache(), True: GzipCache()}  # by OpenMetrics or not
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
@@ -220,6 +223,8 @@ class App:
         tail = render_liveness(health.age_seconds, health.stale) + render_http(
             connections, rejected, requests, openmetrics=om
         )
+        if self.web_config is not None:
+            tail += render_web_config(*self.web_config.snapshot(), openmetrics=om)
         if om:
             tail += OPENMETRICS_EOF
         content_type = OPENMETRICS_CONTENT_TYPE if om else CONTENT_TYPE
@@ -420,16 +425,45 @@ NOT_ENOUGH_GPUS = "409 Conflict"
 
 @dataclass
 class Server:
-    """A running HTTP server; ``close`` stops it."""
+    """A running HTTP server; ``close`` stops it. ``reloader``: its web config's watch (None
+    without a web config)."""
 
     httpd: HttpServer
+    reloader: WebConfigReloader | None = None
 
     @property
     def port(self) -> int:
         return self.httpd.port
 
+    def reload_web_config(self) -> bool | None:
+        """Load the web config file again now (SIGHUP): whether it was applied; None without
+        one."""
+        return self.reloader.reload() if self.reloader is not None else None
+
     def close(self) -> None:
+        if self.reloader is not None:
+            self.reloader.stop()
         self.httpd.close()
+
+
+class _Users:
+    """What a web config makes of ``app``: it wrapped in basic auth when there are users. A
+    reload with the same users keeps the wrapper (and its cache of passed checks); other users
+    get a new one, so a password that passed before is checked again."""
+
+    def __init__(self, app: App, open_paths: Collection[str]) -> None:
+        self.app, self.open_paths = app, tuple(open_paths)
+        self.users: dict[str, bytes] = {}
+        self.wsgi: WsgiApp = app
+
+    def wsgi_for(self, users: Mapping[str, bytes]) -> WsgiApp:
+        """The app for ``users``; not yet kept (``keep``: once it serves)."""
+        if dict(users) == self.users:
+            return self.wsgi
+        return BasicAuth(self.app, users, self.open_paths) if users else self.app
+
+    def keep(self, users: Mapping[str, bytes], wsgi: WsgiApp) -> None:
+        self.users, self.wsgi = dict(users), wsgi
 
 
 def serve(
@@ -443,12 +477,14 @@ def serve(
     web: WebConfig | None = None,
     options: Options | None = None,
     healthz_without_auth: bool = False,
+    reload_interval: float = RELOAD_INTERVAL,
 ) -> Server:
     """Serve ``app`` on a daemon thread, with TLS when ``cert_file`` and ``key_file`` are given
     (and a client certificate signed by ``client_ca_file`` required when that is given), or as
     the web config ``web`` says (TLS, basic authentication, extra headers; not with
     ``cert_file``). ``options``: the server's limits. ``healthz_without_auth``: ``/healthz``
-    needs no password (for liveness probes).
+    needs no password (for liveness probes). The web config's files are watched every
+    ``reload_interval`` seconds and reloaded when they change (``WebConfigReloader``).
 
     Raises OSError when the address cannot be bound or a TLS file cannot be loaded.
     """
@@ -463,9 +499,10 @@ def serve(
         context = web.ssl_context if web is not None else None
     wsgi: WsgiApp = app
     options = options or Options()
+    users = _Users(app, ("/healthz",) if healthz_without_auth else ())
     if web is not None:
-        if web.users:
-            wsgi = BasicAuth(app, web.users, ("/healthz",) if healthz_without_auth else ())
+        wsgi = users.wsgi_for(web.users)
+        users.keep(web.users, wsgi)
         options = replace(options, headers=web.headers)
     # The backlog: with socketserver's 5, under 16 concurrent scrapers about 1 % of connections
     # overflowed and waited a 1 s SYN retransmission (docs/benchmarks.md).
@@ -478,4 +515,16 @@ def serve(
         options=options,
         stats=app.http,
     )
-    return Server(httpd.start())
+    if web is None:
+        return Server(httpd.start())
+
+    def apply(new: WebConfig) -> None:  # on the reloader's thread (or SIGHUP's)
+        wsgi = users.wsgi_for(new.users)
+        httpd.reconfigure(wsgi, new.ssl_context, new.headers)
+        users.keep(new.users, wsgi)
+
+    reloader = WebConfigReloader(web, apply, interval=reload_interval)
+    app.web_config = reloader.stats
+    server = Server(httpd.start(), reloader)
+    reloader.start()
+    return server
