@@ -300,7 +300,8 @@ def _check_tls(config: Config) -> Any:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Sample and serve until SIGTERM or SIGINT; SIGHUP reloads the config."""
+    """Sample and serve until SIGTERM or SIGINT; SIGHUP reloads the config and the web config
+    file (which is also reloaded when it or its TLS files change)."""
     from exporter.actions.engine import ActionEngine
     from exporter.core.nvml import Nvml
     from exporter.core.procfs import ProcFs
@@ -398,6 +399,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         waiting = False  # a reload waits for a running action, a second at a time
         while not stop.wait(0.2):
             if reload.is_set() or waiting:
+                if reload.is_set():
+                    server.reload_web_config()  # as its watch does; logs what it did
                 reload.clear()
                 reloaded = _reload(args, config, sampler, engine, waiting)
                 waiting = reloaded is None
