@@ -42,41 +42,45 @@ def _make_pki(tmp: Path) -> dict[str, str]:
         "-out",
         str(tmp / "ca.pem"),
     )
-    for name, ext in (
-        ("server", "subjectAltName=IP:127.0.0.1"),
-        ("client", "extendedKeyUsage=clientAuth"),
-    ):
-        _openssl(
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            f"/CN={name}",
-            "-keyout",
-            str(tmp / f"{name}.key"),
-            "-out",
-            str(tmp / f"{name}.csr"),
-        )
-        (tmp / f"{name}.ext").write_text(ext + "\n")
-        _openssl(
-            "x509",
-            "-req",
-            "-in",
-            str(tmp / f"{name}.csr"),
-            "-CA",
-            str(tmp / "ca.pem"),
-            "-CAkey",
-            str(tmp / "ca.key"),
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            str(tmp / f"{name}.ext"),
-            "-out",
-            str(tmp / f"{name}.pem"),
-        )
+    _issue(tmp, "server", "subjectAltName=IP:127.0.0.1")
+    _issue(tmp, "client", "extendedKeyUsage=clientAuth")
     return {p.stem + p.suffix: str(p) for p in tmp.iterdir()}
+
+
+def _issue(tmp: Path, name: str, ext: str = "subjectAltName=IP:127.0.0.1") -> tuple[str, str]:
+    """A new key and a certificate for it with subject ``CN=name``, signed by ``tmp``'s CA
+    (a serial of its own): ``tmp/name.pem`` and ``tmp/name.key``. A server's, by default."""
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        str(tmp / f"{name}.key"),
+        "-out",
+        str(tmp / f"{name}.csr"),
+    )
+    (tmp / f"{name}.ext").write_text(ext + "\n")
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(tmp / f"{name}.csr"),
+        "-CA",
+        str(tmp / "ca.pem"),
+        "-CAkey",
+        str(tmp / "ca.key"),
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        str(tmp / f"{name}.ext"),
+        "-out",
+        str(tmp / f"{name}.pem"),
+    )
+    return str(tmp / f"{name}.pem"), str(tmp / f"{name}.key")
 
 
 @pytest.fixture

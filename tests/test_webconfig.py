@@ -4,9 +4,16 @@ real server; its errors name file and line and exit 2."""
 from __future__ import annotations
 
 import base64
+import http.client
+import itertools
+import logging
+import os
 import shutil
+import signal
 import socket
 import ssl
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,11 +24,12 @@ import exporter.cli
 from exporter.config.yamlconf import ConfigError
 from exporter.exposition.metrics import render
 from exporter.sampling.sampler import Sampler
+from exporter.web import webconfig
 from exporter.web.auth import BasicAuth
 from exporter.web.routes import App, Server, serve
 from exporter.web.webconfig import WebConfig, load_web_config
 from tests import agent
-from tests.helpers import line_of, until, write
+from tests.helpers import line_of, samples, until, write
 
 ALICE = bcrypt.hashpw(b"wonderland", bcrypt.gensalt(4)).decode()
 BOB = bcrypt.hashpw(b"builder", bcrypt.gensalt(4)).decode()
@@ -378,3 +386,278 @@ def test_both_tls_sources_are_an_error(tmp_path, pki, capsys, monkeypatch):
     )
     assert code == 2 and "pick one" in err and "--web.config.file" in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+# -- reloads --------------------------------------------------------------------------------
+
+FAST = 0.05  # seconds between looks at the files, for the tests that need not wait a second
+
+
+@pytest.fixture(scope="module")
+def rotated(pki: dict[str, str]) -> dict[str, str]:
+    """A second server certificate of the same CA (``CN=rotated``, a serial of its own)."""
+    from tests.test_tls import _issue
+
+    pem, key = _issue(Path(pki["ca.pem"]).parent, "rotated")
+    return {"server.pem": pem, "server.key": key}
+
+
+def publish(folder: Path, version: str, files: dict[str, bytes]) -> None:
+    """Publish ``files`` in ``folder`` as a Kubernetes secret volume (cert-manager's) does:
+    in a new ``..VERSION`` folder, then one atomic rename of the ``..data`` link, which the
+    ``tls.crt`` and ``tls.key`` links go through."""
+    target = folder / f"..{version}"
+    target.mkdir()
+    for name, data in files.items():
+        (target / name).write_bytes(data)
+    (folder / "..data_tmp").symlink_to(target.name)
+    os.replace(folder / "..data_tmp", folder / "..data")
+    for name in ("tls.crt", "tls.key"):
+        if not (folder / name).is_symlink():
+            (folder / name).symlink_to(f"..data/{name}")
+
+
+def pair(pki: dict[str, str], key_of: dict[str, str] | None = None) -> dict[str, bytes]:
+    """The certificate of ``pki`` and the key of ``key_of`` (its own by default)."""
+    return {
+        "tls.crt": Path(pki["server.pem"]).read_bytes(),
+        "tls.key": Path((key_of or pki)["server.key"]).read_bytes(),
+    }
+
+
+TLS_FILES = "tls_server_config:\n  cert_file: tls.crt\n  key_file: tls.key\n"
+
+
+def scrape(port: int, context: ssl.SSLContext) -> tuple[int, str, str]:
+    """One request on a new connection: (status, the server certificate's CN, its serial)."""
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=5)
+    try:
+        conn.request("GET", "/metrics")
+        status = conn.getresponse()
+        status.read()
+        return status.status, *peer(conn)
+    finally:
+        conn.close()
+
+
+def peer(conn: http.client.HTTPSConnection) -> tuple[str, str]:
+    """The CN and the serial of the certificate ``conn``'s server presented."""
+    assert isinstance(conn.sock, ssl.SSLSocket)
+    cert = conn.sock.getpeercert()
+    assert cert
+    subject = dict(field[0] for field in cert["subject"])
+    return str(subject["commonName"]), str(cert["serialNumber"])
+
+
+def web_config_samples(
+    port: int, context: ssl.SSLContext | None = None, headers: dict[str, str] | None = None
+) -> dict[str, float]:
+    """The ``gpu_exporter_web_config_*`` samples of one scrape, by name and result."""
+    status, _, body = request(port, headers=headers, context=context)
+    assert status == 200
+    out = {}
+    for name, found in samples(body).items():
+        for sample in found:
+            if name.startswith("gpu_exporter_web_config_"):
+                out[name + sample.labels.get("result", "")] = sample.value
+    return out
+
+
+def test_a_certificate_replaced_while_a_client_scrapes(start, tmp_path, pki, rotated):
+    """cert-manager renews the certificate: a client scraping in a loop gets 200 throughout,
+    a new connection gets the new certificate, and a keep-alive one opened before keeps going
+    with the old one."""
+    publish(tmp_path, "v1", pair(pki))
+    server = start(TLS_FILES, tmp_path, reload_interval=FAST)
+    context = client_context(pki)
+    kept = http.client.HTTPSConnection("127.0.0.1", server.port, context=context, timeout=5)
+    kept.request("GET", "/metrics")
+    assert kept.getresponse().read() and peer(kept)[0] == "server"
+    old_serial = peer(kept)[1]
+    seen: list[tuple[int, str, str]] = []
+    stop = threading.Event()
+
+    def scraper() -> None:
+        while not stop.is_set():
+            seen.append(scrape(server.port, context))
+
+    thread = threading.Thread(target=scraper)
+    thread.start()
+    try:
+        until(lambda: len(seen) >= 3, "scrapes before the renewal")
+        publish(tmp_path, "v2", pair(rotated))
+        until(lambda: seen[-1][1] == "rotated", "a scrape that sees the new certificate")
+        count = len(seen)
+        until(lambda: len(seen) >= count + 3, "scrapes after the renewal")
+    finally:
+        stop.set()
+        thread.join()
+    assert {status for status, _, _ in seen} == {200}, seen
+    assert seen[0][1:] == ("server", old_serial)
+    status, name, serial = scrape(server.port, context)
+    assert (status, name) == (200, "rotated") and serial != old_serial
+    kept.request("GET", "/metrics")  # the connection opened before: still served, old session
+    assert kept.getresponse().status == 200 and peer(kept) == ("server", old_serial)
+    kept.close()
+    found = web_config_samples(server.port, context)
+    assert found["gpu_exporter_web_config_reloads_totalsuccess"] == 1
+    assert found["gpu_exporter_web_config_reloads_totalfailure"] == 0
+    assert found["gpu_exporter_web_config_last_reload_successful"] == 1
+
+
+def test_a_broken_replacement_keeps_the_old_certificate_and_counts_a_failure(
+    start, tmp_path, pki, rotated, caplog
+):
+    """Each broken state is a failure, counted, logged at ERROR once per distinct problem; the
+    running certificate stays until a good pair comes."""
+    publish(tmp_path, "v1", pair(pki))
+    server = start(TLS_FILES, tmp_path, reload_interval=FAST)
+    reloader = server.reloader
+    assert reloader is not None
+    context = client_context(pki)
+    _, _, serial = scrape(server.port, context)
+    garbage = {
+        "tls.crt": b"-----BEGIN CERTIFICATE-----\nnot one\n",
+        "tls.key": pair(pki)["tls.key"],
+    }
+    steps = [
+        (garbage, "cannot load the certificate"),
+        (garbage, None),  # the same problem again: counted, not logged at ERROR again
+        (pair(pki, key_of=rotated), "cannot load the certificate"),  # a key of another
+        ({"tls.crt": pair(rotated)["tls.crt"]}, "does not exist"),  # the key missing
+    ]
+    with caplog.at_level(logging.INFO, logger="exporter.web.webconfig"):
+        for number, (files, logged) in enumerate(steps, 1):
+            caplog.clear()
+            publish(tmp_path, f"broken{number}", files)
+            until(lambda n=number: reloader.stats.failures == n, f"failure {number}")
+            errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+            if logged is None:
+                assert errors == [], errors
+            else:
+                assert len(errors) == 1 and logged in errors[0], errors
+                assert "the running configuration stays" in errors[0]
+            assert scrape(server.port, context) == (200, "server", serial)  # the old one
+        found = web_config_samples(server.port, context)
+        assert found["gpu_exporter_web_config_reloads_totalfailure"] == len(steps)
+        assert found["gpu_exporter_web_config_reloads_totalsuccess"] == 0
+        assert found["gpu_exporter_web_config_last_reload_successful"] == 0
+        before = found["gpu_exporter_web_config_last_reload_success_timestamp_seconds"]
+        publish(tmp_path, "fixed", pair(rotated))
+        until(lambda: reloader.stats.successes == 1, "the good pair")
+    assert scrape(server.port, context)[:2] == (200, "rotated")
+    found = web_config_samples(server.port, context)
+    assert found["gpu_exporter_web_config_last_reload_successful"] == 1
+    assert found["gpu_exporter_web_config_last_reload_success_timestamp_seconds"] > before
+
+
+def test_changed_users_and_headers_take_effect(start, tmp_path):
+    """A new password, a removed user and a new one, new headers: from the next request on,
+    with a password that passed before (and is cached) checked again."""
+    server = start(USERS, tmp_path, reload_interval=FAST)
+    assert request(server.port, headers=basic("alice", "wonderland"))[0] == 200  # now cached
+    carol = bcrypt.hashpw(b"carol's", bcrypt.gensalt(4)).decode()
+    alice = bcrypt.hashpw(b"new password", bcrypt.gensalt(4)).decode()
+    write(
+        tmp_path,
+        f"basic_auth_users:\n  alice: {alice}\n  carol: {carol}\n"
+        "http_server_config:\n  headers:\n    X-Frame-Options: deny\n",
+        "web.yml",
+    )
+    until(lambda: request(server.port, headers=basic("carol", "carol's"))[0] == 200, "carol")
+    assert request(server.port, headers=basic("alice", "wonderland"))[0] == 401
+    status, headers, _ = request(server.port, headers=basic("alice", "new password"))
+    assert status == 200 and headers["x-frame-options"] == "deny"
+    assert request(server.port, headers=basic("bob", "builder"))[0] == 401
+    assert request(server.port)[1]["x-frame-options"] == "deny"  # on a 401 too
+
+
+def test_tls_is_not_switched_on_or_off_by_a_reload(start, tmp_path, pki, caplog):
+    """A plain listener stays plain (and a TLS one TLS): the reload is refused, counted and
+    logged with what to do, and the rest of the file is not applied either."""
+    server = start(USERS, tmp_path, reload_interval=3600)
+    write(tmp_path, tls_config(pki, None, False), "web.yml")  # TLS, and no users
+    with caplog.at_level(logging.ERROR, logger="exporter.web.webconfig"):
+        assert server.reload_web_config() is False
+    assert "TLS cannot be switched on by a reload" in caplog.text
+    assert "restart the agent" in caplog.text
+    assert request(server.port)[0] == 401  # plain HTTP, and the users still asked for
+    found = web_config_samples(server.port, headers=basic("alice", "wonderland"))
+    assert found["gpu_exporter_web_config_reloads_totalfailure"] == 1
+    (tmp_path / "tls").mkdir()
+    tls = start(tls_config(pki, None, False), tmp_path / "tls", reload_interval=3600)
+    write(tmp_path / "tls", USERS, "web.yml")  # plain HTTP, with users
+    assert tls.reload_web_config() is False
+    assert request(tls.port, context=client_context(pki))[0] == 200
+
+
+def test_the_files_are_looked_at_at_most_once_a_second(start, tmp_path, pki, monkeypatch):
+    """However many requests come, the watch stats its files once a second (the default)."""
+    calls: list[tuple[float, str]] = []
+    real = webconfig.stamp
+
+    def counting(path: str) -> webconfig.Stamp:
+        calls.append((time.monotonic(), path))
+        return real(path)
+
+    publish(tmp_path, "v1", pair(pki))
+    server = start(TLS_FILES, tmp_path)  # the default interval
+    monkeypatch.setattr(webconfig, "stamp", counting)
+    files = 3  # web.yml, tls.crt, tls.key
+    context = client_context(pki)
+    conn = http.client.HTTPSConnection("127.0.0.1", server.port, context=context, timeout=5)
+    started = time.monotonic()
+    for _ in range(200):
+        conn.request("GET", "/metrics")
+        conn.getresponse().read()
+    elapsed = time.monotonic() - started
+    conn.close()
+    assert len(calls) <= files * (1 + int(elapsed)), (len(calls), elapsed)
+    until(lambda: len(calls) >= 2 * files, "two looks at the files")
+    looks = [when for when, path in calls if path.endswith("web.yml")]
+    assert {path for _, path in calls} == {
+        str(tmp_path / n) for n in ("web.yml", "tls.crt", "tls.key")
+    }
+    assert all(b - a >= webconfig.RELOAD_INTERVAL * 0.99 for a, b in itertools.pairwise(looks)), (
+        looks
+    )
+    assert server.reloader is not None and server.reloader.stats.snapshot()[:2] == (0, 0)
+
+
+def test_a_change_is_applied_once_it_settled(tmp_path):
+    """The clock seam: no look before ``interval``; a change seen once waits for the next look
+    (a certificate and its key written one after the other are read together)."""
+    now = [1000.0]
+    applied: list[WebConfig] = []
+    path = write(tmp_path, USERS, "web.yml")
+    reloader = webconfig.WebConfigReloader(
+        load_web_config(path), applied.append, interval=1.0, monotonic=lambda: now[0]
+    )
+    assert not any(reloader.check() for _ in range(100)) and not applied
+    write(tmp_path, "basic_auth_users: {}\n", "web.yml")
+    now[0] += 0.999
+    assert not reloader.check()  # not a second yet: not even looked at
+    now[0] += 0.001
+    assert not reloader.check() and not applied  # seen once: let it settle
+    now[0] += 0.5
+    assert not reloader.check()
+    now[0] += 0.5
+    assert reloader.check() and len(applied) == 1 and applied[0].users == {}
+    now[0] += 1
+    assert not reloader.check() and len(applied) == 1  # nothing new
+    assert reloader.reload() and len(applied) == 2  # SIGHUP: at once, whatever the clock
+    assert reloader.stats.snapshot()[:3] == (2, 0, True)
+
+
+def test_sighup_reloads_the_web_config(tmp_path):
+    """``kill -HUP``: the agent loads the web config file again at once (the watch's path)."""
+    path = write(tmp_path, USERS, "web.yml")
+    with agent.serve(tmp_path, "--simulate", "--web.config.file", path) as (proc, port):
+        until(lambda: request_or_none(port), "the agent to listen")
+        carol = bcrypt.hashpw(b"carol's", bcrypt.gensalt(4)).decode()
+        write(tmp_path, f"basic_auth_users:\n  carol: {carol}\n", "web.yml")
+        proc.send_signal(signal.SIGHUP)
+        agent.logged_until(proc, "reloaded (SIGHUP)")
+        assert request(port, headers=basic("carol", "carol's"))[0] == 200
+        assert request(port, headers=basic("alice", "wonderland"))[0] == 401
+        assert "only after a restart" not in agent.stderr_of(proc)
