@@ -29,7 +29,7 @@ from exporter.web.auth import BasicAuth
 from exporter.web.routes import App, Server, serve
 from exporter.web.webconfig import WebConfig, load_web_config
 from tests import agent
-from tests.helpers import line_of, samples, until, write
+from tests.helpers import line_of, one, samples, until, write
 
 ALICE = bcrypt.hashpw(b"wonderland", bcrypt.gensalt(4)).decode()
 BOB = bcrypt.hashpw(b"builder", bcrypt.gensalt(4)).decode()
@@ -661,3 +661,25 @@ def test_sighup_reloads_the_web_config(tmp_path):
         assert request(port, headers=basic("carol", "carol's"))[0] == 200
         assert request(port, headers=basic("alice", "wonderland"))[0] == 401
         assert "only after a restart" not in agent.stderr_of(proc)
+
+
+def test_the_reload_metrics_are_documented_and_parse_as_openmetrics():
+    """The ``gpu_exporter_web_config_*`` lines (rendered per scrape, so not in the sample's
+    exposition that test_fields checks) are in docs/metrics.md, and well formed in both
+    formats."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    from exporter.exposition.metrics import render_web_config
+
+    text = render_web_config(2, 1, False, 1700000000.25).decode()
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
+    names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+    assert names and all(f"`{name}`" in doc for name in names), names
+    found = samples(text.encode())
+    assert one(found, "gpu_exporter_web_config_reloads_total", result="failure") == 1
+    assert one(found, "gpu_exporter_web_config_last_reload_success_timestamp_seconds") == (
+        1700000000.25
+    )
+    om = render_web_config(2, 1, False, 0.0, openmetrics=True).decode() + "# EOF\n"
+    families = {f.name: f.type for f in text_string_to_metric_families(om)}
+    assert families["gpu_exporter_web_config_reloads"] == "counter"
