@@ -1,42 +1,65 @@
 # gpu-exporter image.
 #
-#   docker build -t gpu-exporter .
-#   docker run --rm --gpus all --pid=host --read-only -p 9402:9402 gpu-exporter
-#   docker run --rm --read-only --tmpfs /tmp -p 9402:9402 gpu-exporter serve --simulate
+#   deploy/container/build.sh                        # wheels, then this build (podman or docker)
+#   docker run --rm --gpus all --pid=host --read-only -p 9402:9402 gpu-exporter:VERSION
+#   docker run --rm --read-only --tmpfs /tmp -p 9402:9402 gpu-exporter:VERSION serve --simulate
 #       (no GPU needed; the simulation needs a writable /tmp for its stand-in device nodes)
 #
+# The build needs no network: it installs the wheels that deploy/container/build.sh puts in
+# deploy/container/wheels/ (the project's, and its dependencies' for the base image's Python and
+# platform), and nothing from an index. By hand, with the wheels already there:
+#
+#   docker build --build-arg BASE=python:3.12-slim -t gpu-exporter .
+#
+# BASE is any glibc-based image with python3 (3.10 or later) that can make a virtual environment
+# (`python3 -m venv`, with ensurepip; Debian's python3-venv): the project goes into
+# /opt/gpu-exporter, never into the base's own Python (PEP 668). docs/deploy.md says more.
+#
 # The NVIDIA driver's libnvidia-ml.so is not in the image: the NVIDIA Container Toolkit mounts it
-# (and the /dev/nvidia* devices) when the container is started with --gpus.
+# (and the /dev/nvidia* devices) when the container is started with --gpus (or a CDI device).
 
-# -- builder: the project and its dependencies as wheels --------------------------------------
-FROM python:3.12-slim AS builder
+ARG BASE=python:3.12-slim
 
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY exporter ./exporter
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+# -- builder: a virtual environment made from the wheels, offline --------------------------------
+FROM ${BASE} AS builder
 
-# -- final: install the wheels, nothing else ---------------------------------------------------
-FROM python:3.12-slim
+COPY deploy/container/wheels/ /tmp/wheels/
+# --no-index: only the wheels copied in. pip itself (and setuptools, which Python 3.11's venv
+# adds) is removed afterwards: the agent needs neither, and the image stays smaller.
+RUN python3 -m venv /opt/gpu-exporter \
+    && /opt/gpu-exporter/bin/python -m pip install --no-cache-dir --no-index \
+        --disable-pip-version-check --find-links /tmp/wheels gpu-exporter \
+    && /opt/gpu-exporter/bin/python -m pip uninstall --yes --quiet pip setuptools \
+    && /opt/gpu-exporter/bin/gpu-exporter --version
+
+# -- final: the base with the virtual environment, nothing else ----------------------------------
+FROM ${BASE}
 
 LABEL org.opencontainers.image.title="gpu-exporter" \
       org.opencontainers.image.description="Prometheus exporter for NVIDIA GPUs: one NVML sample per interval, per-process GPU memory, self-health metrics." \
       org.opencontainers.image.source="https://github.com/OWNER/gpu-exporter" \
       org.opencontainers.image.licenses="Apache-2.0"
 
-ENV PYTHONDONTWRITEBYTECODE=1 \
+# The virtual environment's bin comes first: `gpu-exporter` and its `python` (the HEALTHCHECK's).
+ENV PATH="/opt/gpu-exporter/bin:$PATH" \
+    PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 
-# The wheels are installed by file name: exactly what the builder resolved, nothing from an index.
-COPY --from=builder /wheels /tmp/wheels
-RUN pip install --no-cache-dir --no-index /tmp/wheels/*.whl \
-    && rm -rf /tmp/wheels
+COPY --from=builder /opt/gpu-exporter /opt/gpu-exporter
 
 # The launchers' shared lock directory, root-owned and sticky like /tmp. The agent only reads it
 # (which locks are held); shipping it means a --read-only container, where the agent cannot create
 # it, still has one. Mount the host's /run/gpu-exporter/locks over it to see the host's launchers.
+#
+# Bytecode, on purpose: a read-only root cannot cache it, and compiling at every start costs
+# each command about 0.2 s. pip compiled the virtual environment; importing every module of the
+# agent once compiles the standard library's modules it uses, which the official images ship as
+# sources only (about 5 MB; a no-op on Debian's python3, compiled at install).
 RUN mkdir -p /run/gpu-exporter/locks \
-    && chmod 1777 /run/gpu-exporter/locks
+    && chmod 1777 /run/gpu-exporter/locks \
+    && PYTHONDONTWRITEBYTECODE='' python -c "import importlib, pkgutil, exporter; \
+[importlib.import_module(m.name) for m in pkgutil.walk_packages(exporter.__path__, 'exporter.') \
+ if not m.name.endswith('__main__')]"
 
 # nobody:nogroup. NVML needs no root; reading other users' /proc/PID/{stat,cmdline,cgroup} works
 # as any user unless /proc is mounted with hidepid.

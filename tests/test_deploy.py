@@ -1,10 +1,13 @@
 """The deployment files: Dockerfile, Kubernetes manifests (kustomize), systemd units.
 
-No image is built or run and no cluster is touched here. What is checked instead:
+No image is built or run here (tests/test_container.py does) and no cluster is touched. What is
+checked instead:
 
-- Dockerfile: parsed (dockerfile-parse); its command is the project's console script, every COPY
-  source exists and is in the build context (.dockerignore), it runs as non-root, its HEALTHCHECK
-  hits /healthz, EXPOSE is the default port; hadolint finds nothing at warning level or above.
+- Dockerfile: parsed (dockerfile-parse); its command is the project's console script, every
+  stage is on the BASE argument (a slim official Python by default), it installs only the wheels
+  of deploy/container/build.sh (no index, no download), every COPY source is in the build context
+  (.dockerignore), it runs as non-root, its HEALTHCHECK hits /healthz, EXPOSE is the default
+  port; hadolint finds nothing at warning level or above.
 - Kubernetes: the generated files are what deploy/kubernetes/generate.py makes now; the base and
   every overlay are built (with kubectl's kustomize when there is one, and always with a small
   Python build that follows the same kustomizations) and every object is validated against the
@@ -47,6 +50,9 @@ from exporter.core.locks import SYSTEM_LOCK_DIR
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
+BUILD_SCRIPT = REPO / "deploy" / "container" / "build.sh"
+#: Where build.sh puts the wheels the image installs (relative to the repository).
+WHEELS = "deploy/container/wheels"
 KUBE = REPO / "deploy" / "kubernetes"
 NPD = KUBE / "node-problem-detector"
 GENERATE = KUBE / "generate.py"
@@ -155,20 +161,60 @@ def _ignored(path: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bool:
 
 def test_dockerignore_matcher_follows_docker_rules():
     rules = _dockerignore()
-    assert not _ignored("exporter/cli.py", rules)
-    assert not _ignored("exporter/scenarios/builtin.yaml", rules)
-    assert not _ignored("pyproject.toml", rules)
+    assert not _ignored(f"{WHEELS}/gpu_exporter-0.1.0-py3-none-any.whl", rules)
+    assert _ignored(f"{WHEELS}/notes.txt", rules)
+    assert _ignored("deploy/container/build.sh", rules)
+    assert _ignored("exporter/cli.py", rules)  # the image installs the project's wheel
     assert _ignored("exporter/__pycache__/cli.cpython-311.pyc", rules)
     assert _ignored("tests/test_cli.py", rules)
     assert _ignored(".git/HEAD", rules)
     assert _ignored(".venv/bin/python", rules)
 
 
-def test_dockerfile_is_multi_stage_on_a_slim_python():
+def _base_argument() -> str:
+    """The default of the Dockerfile's ``ARG BASE`` (declared before the first FROM)."""
+    declared = []
+    for item in _instructions():
+        if item["instruction"] == "FROM":
+            break
+        if item["instruction"] == "ARG":
+            declared.append(item["value"])
+    defaults = [value.split("=", 1)[1] for value in declared if value.startswith("BASE=")]
+    assert len(defaults) == 1, f"one ARG BASE=... before the first FROM, not {declared}"
+    return defaults[0].strip("\"'")
+
+
+def test_dockerfile_is_multi_stage_on_one_base_argument_a_slim_python_by_default():
     stages = _stages()
     assert len(stages) >= 2, "a builder stage and a final stage"
-    base = stages[-1][0]["value"].split()[0]
+    # Every stage on the same BASE: the virtual environment copied from the builder runs on the
+    # final stage's Python only if it is the same one.
+    assert {stage[0]["value"].split()[0] for stage in stages} == {"${BASE}"}
+    base = _base_argument()
     assert base.startswith("python:") and "slim" in base, base
+    python = re.match(r"python:(\d+)\.(\d+)", base)
+    minimum = _pyproject()["project"]["requires-python"]
+    assert python and minimum == ">=3.10" and (int(python[1]), int(python[2])) >= (3, 10), base
+
+
+def test_dockerfile_build_needs_no_network():
+    runs = [i["value"] for i in _instructions() if i["instruction"] == "RUN"]
+    installs = [run for run in runs if "pip install" in run]
+    assert installs, "the project is installed with pip"
+    for run in installs:
+        assert "--no-index" in run and "--find-links /tmp/wheels" in run, run
+        assert "--no-cache-dir" in run, run
+    for run in runs:
+        assert not re.search(r"\b(apt-get|apt|curl|wget|pip download|pip wheel)\b", run), run
+    # The wheels come from build.sh's folder, which git leaves out.
+    (copied,) = [
+        i["value"] for i in _instructions() if i["instruction"] == "COPY" and WHEELS in i["value"]
+    ]
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--quiet", "--no-index", f"{WHEELS}/x.whl"], cwd=REPO
+    )
+    assert ignored.returncode == 0, f"{WHEELS}/ is not in .gitignore"
+    assert f'wheels="$root/{WHEELS}"' in BUILD_SCRIPT.read_text(), copied
 
 
 def test_dockerfile_command_is_the_console_script():
@@ -198,6 +244,9 @@ def test_dockerfile_copy_sources_exist_and_are_in_the_build_context():
         assert sources, item["content"]
         for source in sources:
             path = REPO / source
+            if source.rstrip("/") == WHEELS:  # made by build.sh: what it puts there is let in
+                assert not _ignored(f"{WHEELS}/pyyaml-6.0.2-cp311-cp311-manylinux.whl", rules)
+                continue
             assert path.exists(), f"line {item['startline'] + 1}: COPY {source}: no such path"
             assert not _ignored(source, rules), f"COPY {source}: left out by .dockerignore"
             if path.is_dir():
@@ -851,6 +900,75 @@ def test_systemd_analyze_security_exposure(tmp_path, with_dropin, threshold):
         pytest.skip("this systemd-analyze has no --offline (systemd 250 or later)")
     overall = [line for line in run.stdout.splitlines() if "Overall exposure" in line]
     assert run.returncode == 0, f"exposure above {threshold / 10}: {overall or run.stderr}"
+
+
+def test_container_scripts_shellcheck():
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck is not installed (Debian/Ubuntu: apt-get install shellcheck)")
+    scripts = sorted(str(p) for p in (REPO / "deploy" / "container").glob("*.sh"))
+    assert len(scripts) == 2, scripts
+    run = subprocess.run([shellcheck, *scripts], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_build_script_says_how_it_is_used():
+    run = subprocess.run([str(BUILD_SCRIPT), "--help"], capture_output=True, text=True)
+    assert run.returncode == 0 and "--base IMAGE" in run.stdout and "PIP_INDEX_URL" in run.stdout
+    wrong = subprocess.run([str(BUILD_SCRIPT), "--bogus"], capture_output=True, text=True)
+    assert wrong.returncode == 2 and "unknown argument --bogus" in wrong.stderr
+
+
+def test_strip_wheels_rewrites_the_record_of_what_it_strips(tmp_path):
+    import base64
+    import hashlib
+    import zipfile
+
+    strip_wheels = _load(REPO / "deploy" / "container" / "strip_wheels.py")
+    wheel = tmp_path / "demo-1.0-cp311-cp311-manylinux_2_17_x86_64.whl"
+    members = {
+        "demo/__init__.py": b"",
+        "demo/_ext.cpython-311-x86_64-linux-gnu.so": b"ELF" + b"debug" * 1000,
+        "demo/_bare.cpython-311-x86_64-linux-gnu.so": b"ELF-nothing-to-strip",
+    }
+
+    def digest(data: bytes) -> str:
+        raw = hashlib.sha256(data).digest()
+        return "sha256=" + base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+    record = "".join(f"{n},{digest(d)},{len(d)}\n" for n, d in members.items())
+    with zipfile.ZipFile(wheel, "w") as out:
+        for name, data in members.items():
+            out.writestr(name, data)
+        out.writestr("demo-1.0.dist-info/RECORD", record + "demo-1.0.dist-info/RECORD,,\n")
+    # A stand-in for binutils' strip: drops the "debug" bytes of the file it is given.
+    fake = tmp_path / "strip"
+    fake.write_text(
+        "#!/usr/bin/env python3\nimport sys\np = sys.argv[-1]\n"
+        "d = open(p, 'rb').read()\nopen(p, 'wb').write(d.replace(b'debug', b''))\n"
+    )
+    fake.chmod(0o755)
+    assert strip_wheels.strip_wheel(wheel, str(fake)) == 5000
+    with zipfile.ZipFile(wheel) as result:
+        rows = {
+            row.split(",")[0]: row.split(",")[1:]
+            for row in result.read("demo-1.0.dist-info/RECORD").decode().splitlines()
+        }
+        for name in members:
+            data = result.read(name)
+            assert rows[name] == [digest(data), str(len(data))], name
+        assert result.read("demo/_ext.cpython-311-x86_64-linux-gnu.so") == b"ELF"
+        assert result.read("demo/_bare.cpython-311-x86_64-linux-gnu.so") == b"ELF-nothing-to-strip"
+    assert strip_wheels.strip_wheel(wheel, str(fake)) == 0  # nothing left: the file is untouched
+
+
+def _load(path: Path) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # -- Slurm prolog and epilog --------------------------------------------------------------------
