@@ -41,7 +41,10 @@ LABEL org.opencontainers.image.title="gpu-exporter" \
       org.opencontainers.image.licenses="Apache-2.0"
 
 # The virtual environment's bin comes first: `gpu-exporter` and its `python` (the HEALTHCHECK's).
+# The lock directory is named, as the systemd unit and the DaemonSet name it: a missing one is an
+# error (exit 2), never a private per-user directory that no launcher uses.
 ENV PATH="/opt/gpu-exporter/bin:$PATH" \
+    GPU_EXPORTER_LOCK_DIR=/run/gpu-exporter/locks \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 

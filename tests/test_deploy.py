@@ -8,6 +8,8 @@ checked instead:
   of deploy/container/build.sh (no index, no download), every COPY source is in the build context
   (.dockerignore), it runs as non-root, its HEALTHCHECK hits /healthz, EXPOSE is the default
   port; hadolint finds nothing at warning level or above.
+- The image, every DaemonSet variant and the systemd unit start the same program with the same
+  serve flags and name the same lock directory.
 - Kubernetes: the generated files are what deploy/kubernetes/generate.py makes now; the base and
   every overlay are built (with kubectl's kustomize when there is one, and always with a small
   Python build that follows the same kustomizations) and every object is validated against the
@@ -33,6 +35,7 @@ import importlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -969,6 +972,83 @@ def _load(path: Path) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# -- the image, the DaemonSet and the unit start the same agent ---------------------------------
+
+
+def _flags(argv: list[str]) -> dict[str, str]:
+    """``--flag value`` pairs after ``gpu-exporter serve`` (every flag used here takes one)."""
+    words = list(argv)
+    flags = {}
+    while words:
+        flag = words.pop(0)
+        assert flag.startswith("--") and "=" not in flag and words, f"{flag!r} in {argv}"
+        flags[flag] = words.pop(0)
+    return flags
+
+
+def _starts() -> dict[str, list[str]]:
+    """The command line each deployment starts the agent with: the image's ENTRYPOINT and CMD,
+    each DaemonSet variant's command and args as the kubelet combines them with the image's
+    (args alone replace CMD; a command replaces both), the unit's ExecStart."""
+    (entrypoint,) = _final("ENTRYPOINT")
+    (cmd,) = _final("CMD")
+    image = _exec_form(entrypoint) + _exec_form(cmd)
+    starts = {"image": image}
+    for variant in VARIANTS:
+        container = _container(_build(variant))
+        if "command" in container:
+            argv = container["command"] + container.get("args", [])
+        else:
+            argv = _exec_form(entrypoint) + container.get("args", _exec_form(cmd))
+        starts[f"daemonset {variant}"] = argv
+    starts["systemd unit"] = shlex.split(_last(_unit(UNIT)["Service"], "ExecStart") or "")
+    return starts
+
+
+def test_the_image_daemonset_and_unit_start_the_same_program_and_serve_flags():
+    starts = _starts()
+    for name, argv in starts.items():
+        assert os.path.basename(argv[0]) == "gpu-exporter", f"{name}: {argv}"
+        assert argv[1] == "serve", f"{name}: {argv}"
+    # The unit's program is where docs/deploy.md links the virtual environment's; the image
+    # has that same virtual environment, /opt/gpu-exporter, first on its PATH.
+    assert starts["systemd unit"][0] == "/usr/local/bin/gpu-exporter"
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    assert "ln -s /opt/gpu-exporter/bin/gpu-exporter /usr/local/bin/gpu-exporter" in docs
+    parse = pytest.importorskip("dockerfile_parse", reason="pip install dockerfile-parse")
+    envs = parse.DockerfileParser(path=str(DOCKERFILE)).envs
+    assert envs["PATH"].split(":")[0] == "/opt/gpu-exporter/bin"
+    # The deployments that carry a config file pass the same flags, with the same path; the
+    # image's own CMD (run as it is, with no config mounted) passes none of its own.
+    flags = {name: _flags(argv[2:]) for name, argv in starts.items()}
+    image_flags = flags.pop("image")
+    assert all(f == {"--config": CONFIG_PATH} for f in flags.values()), flags
+    assert image_flags.items() <= flags["systemd unit"].items(), image_flags
+    run = subprocess.run(
+        [sys.executable, "-m", "exporter", *starts["systemd unit"][1:], "--help"],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+
+
+def test_the_image_daemonset_and_unit_name_the_same_lock_directory_and_environment():
+    parse = pytest.importorskip("dockerfile_parse", reason="pip install dockerfile-parse")
+    image = parse.DockerfileParser(path=str(DOCKERFILE)).envs
+    unit = dict(value.split("=", 1) for value in _values(_unit(UNIT)["Service"], "Environment"))
+    assert image["GPU_EXPORTER_LOCK_DIR"] == unit["GPU_EXPORTER_LOCK_DIR"] == SYSTEM_LOCK_DIR
+    for variant in VARIANTS:
+        env = _env(_container(_build(variant)))
+        assert env["GPU_EXPORTER_LOCK_DIR"] == SYSTEM_LOCK_DIR, variant
+        # The DaemonSet sets only what differs from the image: the host's procfs and devices,
+        # where it mounts them, and what the NVIDIA runtime reads.
+        assert "PYTHONDONTWRITEBYTECODE" not in env
+        mounts = _mounts(_build(variant))
+        assert {env["GPU_EXPORTER_PATHS_PROC"], env["GPU_EXPORTER_PATHS_DEV"]} <= set(mounts)
+    # Neither the image nor the unit writes bytecode: both run on a read-only file system.
+    assert image["PYTHONDONTWRITEBYTECODE"] == unit["PYTHONDONTWRITEBYTECODE"] == "1"
 
 
 # -- Slurm prolog and epilog --------------------------------------------------------------------
