@@ -7,7 +7,8 @@ checked instead:
   stage is on the BASE argument (a slim official Python by default), it installs only the wheels
   of deploy/container/build.sh (no index, no download), every COPY source is in the build context
   (.dockerignore), it runs as non-root, its HEALTHCHECK hits /healthz, EXPOSE is the default
-  port; hadolint finds nothing at warning level or above.
+  port; hadolint finds nothing at warning level or above. A read-only lock directory (the
+  image's under --read-only) is no warning at start.
 - The image, every DaemonSet variant and the systemd unit start the same program with the same
   serve flags and name the same lock directory.
 - Kubernetes: the generated files are what deploy/kubernetes/generate.py makes now; the base and
@@ -31,8 +32,10 @@ test extras) make their tests skip, with the reason.
 from __future__ import annotations
 
 import copy
+import errno
 import importlib
 import json
+import logging
 import os
 import re
 import shlex
@@ -280,6 +283,41 @@ def test_dockerfile_labels():
     for key in ("title", "description", "source"):
         assert f"org.opencontainers.image.{key}=" in labels
     assert f'org.opencontainers.image.licenses="{license_text}"' in labels
+
+
+@pytest.mark.parametrize(
+    ("code", "warned"), [(errno.EROFS, False), (errno.EACCES, True)], ids=["EROFS", "EACCES"]
+)
+def test_a_read_only_lock_directory_is_no_warning_at_start(
+    simulated, clock, tmp_path, monkeypatch, caplog, code, warned
+):
+    # The image's lock directory under --read-only, the host's mounted read-only (DaemonSet,
+    # docs): the agent cannot make the GPUs' lock files there, which is no news at each start
+    # (tests/test_container.py checks the image's log). A directory it may not write is.
+    from exporter.core.nvml import Nvml
+    from exporter.core.procfs import ProcFs
+    from exporter.sampling import collect
+
+    def refused(lock_dir: str, uuid: str) -> str:
+        raise OSError(code, os.strerror(code), f"{uuid}.lock")
+
+    monkeypatch.setattr(collect, "provision", refused)
+    driver = simulated("gpus: [{}, {}]\n")
+    collector = collect.Collector(
+        Nvml(library=driver),
+        ProcFs("/proc"),
+        monotonic=clock,
+        lock_dir=str(tmp_path),
+        provision_locks=True,
+    )
+    try:
+        with caplog.at_level(logging.DEBUG, logger="exporter.sampling.collect"):
+            collector.sample()
+    finally:
+        collector.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == (2 if warned else 0), warnings
+    assert all("cannot make the lock file of GPU-" in w for w in warnings)
 
 
 def test_hadolint():
