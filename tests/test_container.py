@@ -145,10 +145,10 @@ def _environment(conf_dir: Path) -> dict[str, str]:
         conf += '[engine]\nruntime = "runc"\n'
     path = conf_dir / "containers.conf"
     path.write_text(conf)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_EXPORTER_", "PIP_"))}
+    # pip's own settings (PIP_INDEX_URL, ...) reach build.sh; the agent's stay out
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_EXPORTER_")}
     # chroot: builds without the runtime, where it cannot nest
     env.update(CONTAINERS_CONF=str(path), BUILDAH_ISOLATION="chroot")
-    env.update({k: v for k, v in os.environ.items() if k.startswith("PIP_")})
     return env
 
 
