@@ -46,17 +46,23 @@ gpus:
     temperature: 45
     processes:
       - {spawn: [sleep, "120"], orphan: true, memory: 3GiB}
-  # a GPU neither hot nor held by a zombie: there is always one to recommend (GPU 0 is a hotspot
-  # a while, and GPU 1 is left out of recommendations once its orphan is found). Its XID comes
-  # a few seconds in, after the agent registered the GPU for XID events (NVML delivers none
-  # from before); the pending row remapping is there from the start.
+  # a fatal XID and a pending row remapping (so the health verdict leaves it out of the
+  # recommendations too). Its XID comes a few seconds in, after the agent registered the GPU
+  # for XID events (NVML delivers none from before); the remapping is there from the start.
   - name: NVIDIA H100 80GB HBM3
     temperature: 40
     xids: [{at: 4s, code: 79}]
     fields: {row_remap_pending: 1}
 """
-    + HEALTH_GPU
-)  # GPU 3
+    + HEALTH_GPU  # GPU 3
+    + """
+  # GPU 4: neither hot, nor held by a zombie, nor unhealthy: there is always one to recommend
+  # (GPU 0 is a hotspot a while, GPU 1 is left out once its orphan is found, GPUs 2 and 3 are
+  # critical by the health verdict)
+  - name: NVIDIA H100 80GB HBM3
+    temperature: 40
+"""
+)
 CONFIG = """
 actions:
   thermal: {every: 500ms, for: 2s}
