@@ -75,14 +75,19 @@ def serve(
     try:
         yield proc, port
     finally:
-        if proc.poll() is None:  # SIGTERM first: it stops its simulated processes and cleans up
-            proc.terminate()
-            try:
-                proc.wait(timeout=3)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        proc.wait()
+        stop(proc, 3)  # SIGTERM first: it stops its simulated processes and cleans up
         err.close()
+
+
+def stop(proc: subprocess.Popen[Any], timeout: float) -> None:
+    """SIGTERM ``proc`` (unless it has ended), SIGKILL it after ``timeout`` s, and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    proc.wait()
 
 
 def stderr_of(proc: subprocess.Popen[str]) -> str:
@@ -131,9 +136,4 @@ def running(argv: list[str], log: Path) -> Iterator[subprocess.Popen]:
         try:
             yield proc
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc, 10)

@@ -8,6 +8,7 @@ import os
 import sys
 import textwrap
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -97,3 +98,33 @@ def until(check: Callable[[], Any], what: str = "", timeout: float = 20) -> Any:
         assert time.monotonic() < end, f"timed out waiting for {what or check}"
         time.sleep(0.05)
     return value
+
+
+def as_user(uid: int, action: Callable[[], Any]) -> str:
+    """Run ``action`` in a forked child as ``uid``: the repr of what it returned, or
+    ``Type: message`` of what it raised."""
+    read, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 0
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            try:
+                answer = repr(action())
+            except Exception as exc:
+                answer = f"{type(exc).__name__}: {exc}"
+            os.write(write_end, answer.encode())
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read, "rb") as pipe:
+        answer = pipe.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child failed"
+    return answer

@@ -334,13 +334,18 @@ def render_families(families: list[Any]) -> bytes:
 # -- the state file ------------------------------------------------------------------------------
 
 
-def _critical(state: Path, boot: str = "boot-1", clock: float = T0 + 10) -> HealthAction:
-    action = HealthAction(
+def _agent(state: Path, boot: str, clock: float) -> HealthAction:
+    """A health action (an agent starting) with its state file, boot id and wall clock."""
+    return HealthAction(
         HealthConfig(xid_window=3600),
         state_file=str(state),
         boot_id=lambda: boot,
         clock=lambda: clock,
     )
+
+
+def _critical(state: Path, boot: str = "boot-1", clock: float = T0 + 10) -> HealthAction:
+    action = _agent(state, boot, clock)
     action.run(
         [snapshot_of(5, gpu(0, xid_counts={79: 1}, xids=(XidEvent(T0 + 5, 79, "reboot"),)))], 5.0
     )
@@ -348,12 +353,7 @@ def _critical(state: Path, boot: str = "boot-1", clock: float = T0 + 10) -> Heal
 
 
 def _restarted(state: Path, boot: str = "boot-1", clock: float = T0 + 60) -> HealthAction:
-    action = HealthAction(
-        HealthConfig(xid_window=3600),
-        state_file=str(state),
-        boot_id=lambda: boot,
-        clock=lambda: clock,
-    )
+    action = _agent(state, boot, clock)
     action.run([snapshot_of(1, gpu(0))], 1.0)  # the new agent's XID counts start at 0
     return action
 

@@ -32,7 +32,7 @@ from exporter.core.selection import Policy
 from exporter.launcher.acquire import LocalGpus, acquire
 from exporter.launcher.lineage import children
 from tests.agent import clean_env, exporter_cli, free_port, http_get, stderr_of
-from tests.helpers import one, samples, until
+from tests.helpers import as_user, one, samples, until
 from tests.test_launcher import NO_GPUS, SLEEPER, start_run
 
 ROOT = os.geteuid() == 0
@@ -371,30 +371,15 @@ def test_this_kernel_probes_a_read_lock_from_a_read_only_descriptor(tmp_path):
 
 def _probe_as_nobody(locks: Path) -> str:
     """What held_locks finds, probing only (no /proc/locks), as uid 65534, who may only read."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 1
+
+    def probe() -> Any:
         try:
-            os.close(read)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            try:
-                os.close(os.open(locks / f"{UUID}.lock", os.O_RDWR))
-                answer = "it could open the file for writing"
-            except PermissionError:
-                answer = repr(held_locks(str(locks), proc_root="/nonexistent"))
-            os.write(write, answer.encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        answer = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    return answer
+            os.close(os.open(locks / f"{UUID}.lock", os.O_RDWR))
+            return "it could open the file for writing"
+        except PermissionError:
+            return held_locks(str(locks), proc_root="/nonexistent")
+
+    return as_user(NOBODY, probe)
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ from exporter.core import privileges
 from exporter.core.locks import LockError, default_lock_dir, held_locks, try_lock
 from tests.agent import exporter_cli as cli
 from tests.agent import healthz_until, http_get, serve
-from tests.helpers import agent_config, one, samples, until, write
+from tests.helpers import agent_config, as_user, one, samples, until, write
 from tests.test_reaper import (
     alive,
     audit_lines,
@@ -54,36 +54,6 @@ PR_CAPBSET_DROP = 24
 
 
 # -- helpers --------------------------------------------------------------------------------------
-
-
-def as_user(uid: int, action: Callable[[], Any]) -> str:
-    """Run ``action`` in a forked child as ``uid``: the repr of what it returned, or
-    ``Type: message`` of what it raised."""
-    read, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 0
-        try:
-            os.close(read)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            try:
-                answer = repr(action())
-            except Exception as exc:
-                answer = f"{type(exc).__name__}: {exc}"
-            os.write(write_end, answer.encode())
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    with os.fdopen(read, "rb") as pipe:
-        answer = pipe.read().decode()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the forked child failed"
-    return answer
 
 
 def attacker(action: Callable[[], Any]) -> None:
