@@ -43,7 +43,7 @@ def test_builtin_scenario_loads():
         ("gpus:\n  - errors: [{field: nope}]\n", "s.yaml:2", "unknown field 'nope'"),
         ("gpus:\n  - utilization: 1.5\n", "s.yaml:2", "must be from 0 to 1"),
         ("gpus:\n  - memory_total: lots\n", "s.yaml:2", "gpus[0].memory_total"),
-        ("gpus:\n  - processes: [{memory: 1GiB}]\n", "s.yaml:2", "exactly one of pid and spawn"),
+        ("gpus:\n  - processes: [{memory: 1GiB}]\n", "s.yaml:2", "exactly one of pid, spawn and holders"),
         ("gpus:\n  - processes: [{pid: -3}]\n", "s.yaml:2", "positive PID"),
         (
             "gpus:\n  - processes: [{pid: 1, sm_utilization: 1.5}]\n",
@@ -53,6 +53,10 @@ def test_builtin_scenario_loads():
         ("gpus:\n  - temperature: {from: 40}\n", "s.yaml:2", "needs both 'from' and 'to'"),
         ("gpus:\n  - present: {from: 5s, until: 1s}\n", "s.yaml:2", "later than from"),
         ("driver:\n  cuda_version: twelve\n", "s.yaml:2", "CUDA version"),
+        ("gpus:\n  - processes: [{holders: true, pid: 3}]\n", "s.yaml:2", "pid: not with holders"),
+        ("driver:\n  device_folder: dev\n", "s.yaml:2", "expected an absolute path"),
+        ("driver:\n  device_folder: /nonexistent\n", "s.yaml:2", "not an existing directory"),
+        ("driver:\n  utilization_pid_offset: -1\n", "s.yaml:2", "from 0 to 4194304"),
         ("gpus: 3\n", "s.yaml:1", "must be a list"),
         ("- a\n- b\n", "s.yaml:1", "must be a mapping"),
         ("gpus:\n  - name: A\n    name: B\n", "s.yaml:3", "duplicate key"),
@@ -134,6 +138,75 @@ def test_spawned_processes_are_real_and_stopped_on_stop():
     finally:
         driver.stop()
     assert not os.path.exists(f"/proc/{pid}")
+
+
+def _holder(path: Path) -> subprocess.Popen[bytes]:
+    """A process outside the simulation that opens ``path`` and keeps it open, as a CUDA
+    program keeps /dev/nvidiaN open; it says when it has."""
+    code = "import sys, time; f = open(sys.argv[1]); print(flush=True); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE)
+    assert child.stdout is not None and child.stdout.readline() == b"\n"
+    return child
+
+
+def test_holders_are_the_processes_outside_the_simulation_that_open_a_stand_in(tmp_path):
+    driver = SimulatedDriver(
+        parse(
+            f"driver: {{device_folder: {tmp_path}}}\n"
+            "gpus:\n"
+            "  - processes:\n"
+            "      - {holders: true, memory: 2GiB, sm_utilization: 0.5}\n"
+            '      - {spawn: [python3, -c, "import time; time.sleep(60)"], memory: 1GiB}\n'
+            "  - processes: [{holders: true}]\n"
+        )
+    ).start()
+    job = None
+    try:
+        assert driver.dev_root == str(tmp_path)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["nvidia0", "nvidia1"]
+        assert (tmp_path / "nvidia0").stat().st_mode & 0o777 == 0o666  # other users' jobs too
+        driver.nvmlInit()
+        first, second = (driver.nvmlDeviceGetHandleByIndex(i) for i in (0, 1))
+        spawned = driver.processes.pids[(0, 1)]  # holds nvidia0 too, listed once by its entry
+        assert _listed(driver, first) == [spawned]
+        job = _holder(tmp_path / "nvidia0")
+        listed = {}
+        deadline = time.monotonic() + 5
+        while job.pid not in listed:
+            assert time.monotonic() < deadline, "the holder was not listed"
+            time.sleep(0.02)
+            listed = {
+                p.pid: p.usedGpuMemory
+                for p in driver.nvmlDeviceGetComputeRunningProcesses(first)
+            }
+        assert listed == {job.pid: 2 << 30, spawned: 1 << 30}
+        assert _listed(driver, second) == []
+        busy = driver.nvmlDeviceGetProcessUtilization(first, 0)
+        assert {(s.pid, s.smUtil) for s in busy} == {(job.pid, 50)}
+        job.kill()
+        job.wait()
+        deadline = time.monotonic() + 5
+        while job.pid in _listed(driver, first):
+            assert time.monotonic() < deadline, "an ended holder stayed listed"
+            time.sleep(0.02)
+    finally:
+        if job is not None and job.poll() is None:
+            job.kill()
+            job.wait()
+        driver.stop()
+    assert tmp_path.is_dir() and list(tmp_path.iterdir()) == []  # its folder, kept empty
+
+
+def test_a_utilization_pid_offset_stamps_samples_with_other_pids(simulated, clock):
+    driver = simulated(
+        "driver: {utilization_pid_offset: 4000000}\n"
+        "gpus: [{processes: [{pid: self, sm_utilization: 0.3}]}]\n"
+    )
+    driver.nvmlInit()
+    handle = driver.nvmlDeviceGetHandleByIndex(0)
+    assert _listed(driver, handle) == [os.getpid()]
+    (sample,) = driver.nvmlDeviceGetProcessUtilization(handle, 0)
+    assert (sample.pid, sample.smUtil) == (os.getpid() + 4000000, 30)
 
 
 def test_call_latency_is_paid_per_call():

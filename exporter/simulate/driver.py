@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
-import shutil
 import struct
 import threading
 import time
@@ -28,7 +27,13 @@ import pynvml
 from exporter.core import fields as readings
 from exporter.core.fields import FIELD_READINGS, FUNCTION_READINGS, Function, Reading
 from exporter.core.nvml import CLOCKS, TEMPERATURE_THRESHOLDS
-from exporter.simulate.processes import ScenarioProcesses, make_device_folder, running
+from exporter.simulate.processes import (
+    DeviceHolders,
+    ScenarioProcesses,
+    make_device_folder,
+    remove_device_folder,
+    running,
+)
 from exporter.simulate.scenario import (
     CALL_FIELDS,
     DRIVER_FIELDS,
@@ -188,6 +193,7 @@ class SimulatedDriver:
         #: ``paths.dev``). Made by :meth:`start`.
         self.dev_root = ""
         self.processes = ScenarioProcesses(scenario, "")
+        self._holders: DeviceHolders | None = None  # made by start, for ``holders`` entries
         self._t0 = 0.0
         self._epoch_us = 0  # the host's clock at start, µs: NVML's timestamps count from it
         self._energy: dict[int, tuple[float, float]] = {}
@@ -252,22 +258,29 @@ class SimulatedDriver:
             return self
         self._t0 = self.clock()
         self._epoch_us = round(time.time() * 1e6)
-        self.dev_root = make_device_folder(self.scenario.gpus)
+        self.dev_root = make_device_folder(self.scenario.gpus, self.scenario.device_folder)
         self.processes = ScenarioProcesses(self.scenario, self.dev_root)
         try:
             self.processes.start()
         except BaseException:
-            shutil.rmtree(self.dev_root, ignore_errors=True)
+            self._remove_devices()
             raise
+        if any(proc.holders for gpu in self.scenario.gpus for proc in gpu.processes):
+            self._holders = DeviceHolders(self.dev_root, self.scenario.gpus)
         self._started = True
         return self
 
     def stop(self) -> None:
         """Stop the processes the scenario spawned and remove the device stand-ins."""
         self.processes.stop()
-        if self.dev_root:
-            shutil.rmtree(self.dev_root, ignore_errors=True)
+        self._remove_devices()
+        self._holders = None
         self._started = False
+
+    def _remove_devices(self) -> None:
+        if self.dev_root:
+            made = not self.scenario.device_folder
+            remove_device_folder(self.scenario.gpus, self.dev_root, made)
 
     def __enter__(self) -> SimulatedDriver:
         return self.start()
@@ -728,6 +741,9 @@ class SimulatedDriver:
         t = self.now()
         for p, proc in enumerate(h.gpu.processes):
             if proc.window.holds(t) and (kind is None or proc.type == kind):
+                if proc.holders:
+                    yield from ((pid, proc) for pid in self._device_holders(h))
+                    continue
                 key = (h.index, p)
                 pid = self._churn(h, p, proc, t) if proc.churn else self.processes.pids[key]
                 leader = self.processes.leader(key)
@@ -736,6 +752,13 @@ class SimulatedDriver:
                 if pid is None or (proc.spawn and not proc.churn and not running(pid)):
                     continue  # a spawned process that ended: the driver frees it, as a real one
                 yield pid, proc
+
+    def _device_holders(self, h: _Handle) -> list[int]:
+        """The processes the simulation did not start that hold ``h``'s stand-in open."""
+        if self._holders is None:
+            return []
+        ours = self.processes.started() | set(self.processes.pids.values())
+        return self._holders.of(h.gpu.minor_number, ours)
 
     def _utilization_samples(self, h: _Handle, since: int) -> list[Any]:
         """What ``nvmlDeviceGetProcessUtilization(h, since)`` answers: a sample for each listed
@@ -752,7 +775,7 @@ class SimulatedDriver:
         samples = []
         for pid, (sm, last) in busiest.items():
             sample = pynvml.c_nvmlProcessUtilizationSample_t()
-            sample.pid, sample.smUtil = pid, sm
+            sample.pid, sample.smUtil = pid + self.scenario.utilization_pid_offset, sm
             sample.timeStamp = self._epoch_us + round(last * 1e6)
             samples.append(sample)
         return samples

@@ -11,15 +11,18 @@ exec. See docs/simulate.md ("spawn").
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterable
 
 from exporter.config.yamlconf import ConfigError
+from exporter.core.procfs import file_identity, scan_fd_holders
 from exporter.simulate.scenario import Scenario, SimGpu, SimProcess
 
 #: (GPU, entry): a process entry by its GPU's index in the scenario and its own in the GPU's list.
@@ -70,21 +73,65 @@ def running(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
-def make_device_folder(gpus: Iterable[SimGpu]) -> str:
-    """A new folder of empty ``nvidiaN`` files, stand-ins for the GPUs' device nodes."""
+def make_device_folder(gpus: Iterable[SimGpu], folder: str = "") -> str:
+    """A folder of empty ``nvidiaN`` files, stand-ins for the GPUs' device nodes: ``folder``
+    (its files made or emptied, readable by all: other containers' jobs open them), or a new
+    temporary one."""
+    where = folder or tempfile.gettempdir()
     try:
-        root = tempfile.mkdtemp(prefix="gpu-exporter-sim-dev-")
+        root = folder or tempfile.mkdtemp(prefix="gpu-exporter-sim-dev-")
         for gpu in gpus:
-            with open(os.path.join(root, f"nvidia{gpu.minor_number}"), "w"):
+            path = os.path.join(root, f"nvidia{gpu.minor_number}")
+            with open(path, "w"):
                 pass
+            if folder:
+                os.chmod(path, 0o666)
     except OSError as exc:
+        advice = "" if folder else " (set TMPDIR to a writable folder)"
         raise ConfigError(
             "simulation",
             "",
-            f"cannot make the simulated device nodes in {tempfile.gettempdir()}: "
-            f"{exc.strerror} (set TMPDIR to a writable folder)",
+            f"cannot make the simulated device nodes in {where}: {exc.strerror}{advice}",
         ) from None
     return root
+
+
+def remove_device_folder(gpus: Iterable[SimGpu], root: str, made: bool) -> None:
+    """Remove the stand-ins: the whole folder when :func:`make_device_folder` ``made`` it,
+    else only its ``nvidiaN`` files."""
+    if made:
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    for gpu in gpus:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(root, f"nvidia{gpu.minor_number}"))
+
+
+class DeviceHolders:
+    """The processes outside the simulation that hold a GPU's device stand-in open, read from
+    ``/proc`` at most once per ``ttl`` seconds (one sample lists each GPU several times)."""
+
+    def __init__(
+        self, dev_root: str, gpus: Iterable[SimGpu], ttl: float = 0.1, root: str = "/proc"
+    ) -> None:
+        self._root = root
+        self._ttl = ttl
+        self._wanted: dict[tuple[str, int, int], str] = {}
+        for gpu in gpus:
+            identity = file_identity(os.path.join(dev_root, f"nvidia{gpu.minor_number}"))
+            if identity is not None:
+                self._wanted[identity] = str(gpu.minor_number)
+        self._read_at = -math.inf
+        self._holders: dict[str, set[int]] = {}
+
+    def of(self, minor_number: int, excluded: Iterable[int]) -> list[int]:
+        """The holders of ``/dev/nvidiaN`` (N: ``minor_number``) but ``excluded``, in order."""
+        now = time.monotonic()
+        if now - self._read_at >= self._ttl:
+            self._holders = scan_fd_holders(self._root, self._wanted)[0] if self._wanted else {}
+            self._read_at = now
+        found = self._holders.get(str(minor_number), set()) - set(excluded) - {os.getpid()}
+        return sorted(pid for pid in found if running(pid))
 
 
 class Guard:
@@ -172,6 +219,8 @@ class ScenarioProcesses:
         try:
             for g, gpu in enumerate(self.scenario.gpus):
                 for p, proc in enumerate(gpu.processes):
+                    if proc.holders:
+                        continue  # found at each listing (DeviceHolders)
                     if proc.spawn:
                         self.pids[(g, p)] = self._start(proc, (g, p))
                     elif proc.pid == "self":
@@ -207,6 +256,11 @@ class ScenarioProcesses:
             self._guard.forget(child.pid)
         self.children.clear()
         self._guard.close()
+
+    def started(self) -> set[int]:
+        """The PIDs of every process the simulation started and still watches."""
+        leaders = {leader.pid for leader in self._leaders.values()}
+        return {child.pid for child in self.children} | set(self._orphans) | leaders
 
     def leader(self, key: Key) -> int | None:
         """The PID of an orphan entry's job leader while it lives (reaped once it ends)."""

@@ -77,6 +77,8 @@ DRIVER_FIELDS = ("init", "count")
 LINK_READINGS = frozenset(r.key for r in FIELD_READINGS if r.per_link)
 REASON_BITS = dict(CLOCK_EVENT_REASONS)
 _DEFAULT_THRESHOLDS = {"shutdown": 92.0, "slowdown": 89.0, "gpu_max": 87.0, "memory_max": 95.0}
+#: Linux's largest pid_max: an offset this big puts every PID out of any namespace's reach.
+_PID_LIMIT = 4194304
 _DEFAULT_CLOCKS = {"graphics": 1755.0, "sm": 1755.0, "memory": 2619.0, "video": 1545.0}
 
 
@@ -226,6 +228,9 @@ class SimProcess:
     orphan_after: float = 2.0  # how long that leader lives, seconds
     churn: float = 0.0  # > 0: a new process (a new PID) every ``churn`` seconds
     sm_utilization: Value = Value(0.0)  # its share of the SMs' time, 0-1
+    #: Stands for every process outside the simulation that holds the GPU's device stand-in
+    #: open (``pid`` is None and ``spawn`` empty), as a driver lists any CUDA process.
+    holders: bool = False
 
 
 @dataclass(frozen=True)
@@ -293,6 +298,11 @@ class Scenario:
     #: (a driver without it) or ``NotSupported`` (a driver that has it, for a GPU without the
     #: feature; it then costs ``call_latency`` like any call, which keeps benchmarks fair).
     unimplemented: str = "FunctionNotFound"
+    #: Where the ``nvidiaN`` device stand-ins are made; "" for a new temporary folder.
+    device_folder: str = ""
+    #: Added to the PID of every per-process utilization sample: a driver that stamps them
+    #: with PIDs of another namespace than the process lists' (0: the same PIDs).
+    utilization_pid_offset: int = 0
 
 
 def _window(section: Section) -> Window:
@@ -351,6 +361,7 @@ def _process(section: Section) -> SimProcess:
         return str(raw)
 
     process = SimProcess(
+        holders=section.get("holders", boolean, False),
         pid=section.get("pid", pid, None),
         spawn=section.get("spawn", argv, ()),
         memory=section.get("memory", _SIZE_VALUE, Value(0.0)),
@@ -363,8 +374,12 @@ def _process(section: Section) -> SimProcess:
         churn=section.get("churn", parse_duration, 0.0),
         sm_utilization=section.get("sm_utilization", _RATIO_VALUE, Value(0.0)),
     )
-    if (process.pid is None) == (not process.spawn):
-        raise section.error(None, "give exactly one of pid and spawn")
+    if process.holders:
+        for key in ("pid", "spawn", "holds_device", "orphan", "orphan_after", "churn"):
+            if section.has(key):
+                raise section.error(key, "not with holders: true")
+    elif (process.pid is None) == (not process.spawn):
+        raise section.error(None, "give exactly one of pid, spawn and holders")
     if process.orphan and not process.spawn:
         raise section.error("orphan", "only a spawned process can be made an orphan")
     if section.has("orphan_after") and not process.orphan:
@@ -548,6 +563,20 @@ def _reading_keys(raw: Any) -> frozenset[str]:
     return frozenset(raw)
 
 
+def _directory(raw: Any) -> str:
+    if not isinstance(raw, str) or not os.path.isabs(raw):
+        raise ValueError(f"expected an absolute path, got {raw!r}")
+    if not os.path.isdir(raw):
+        raise ValueError(f"{raw} is not an existing directory")
+    return raw
+
+
+def _pid_offset(raw: Any) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or not 0 <= raw <= _PID_LIMIT:
+        raise ValueError(f"expected a whole number from 0 to {_PID_LIMIT}, got {raw!r}")
+    return raw
+
+
 def parse_scenario(root: Section) -> Scenario:
     """A validated Scenario from the root of a scenario document."""
     driver = root.section("driver")
@@ -571,6 +600,8 @@ def parse_scenario(root: Section) -> Scenario:
         missing_fields=driver.get("missing_fields", _reading_keys, frozenset()),
         call_latency=driver.get("call_latency", parse_duration, 0.0),
         unimplemented=driver.get("unimplemented", _unimplemented, "FunctionNotFound"),
+        device_folder=driver.get("device_folder", _directory, ""),
+        utilization_pid_offset=driver.get("utilization_pid_offset", _pid_offset, 0),
         errors=_errors(driver, DRIVER_FIELDS),
         gpus=tuple(_gpu(item, i) for i, item in enumerate(root.sections("gpus"))),
     )
