@@ -278,6 +278,34 @@ def test_no_busy_process_is_not_found_and_reads_zero_for_all(simulated, clock):
     assert driver.calls["nvmlDeviceGetProcessUtilization"] == 2  # asked each sample all the same
 
 
+OTHER_NAMESPACE = """
+driver: {utilization_pid_offset: %d}
+gpus:
+  - processes:
+      - {pid: self, memory: 1GiB, sm_utilization: 0.4}
+      - {pid: parent, memory: 1GiB}
+"""
+
+
+@pytest.mark.parametrize(
+    ("initial", "offset", "expected"),
+    [
+        (False, 0, (0.4, 0.0)),  # a pod's sidecar, PIDs translated in both answers
+        (False, 4000000, (None, None)),  # samples in host PIDs: nothing reads as idle
+        (True, 4000000, (0.0, 0.0)),  # on the host an unmatched sample is a process gone
+    ],
+)
+def test_utilization_in_another_pid_namespace_is_unknown_when_its_pids_do_not_match(
+    simulated, clock, initial, offset, expected
+):
+    driver = simulated(OTHER_NAMESPACE % offset)
+    nvml = Nvml(library=driver, wall=driver.wall, initial_pid_namespace=initial)
+    nvml.init()
+    _, reading = _read(nvml)
+    assert _utilization(reading) == dict(zip((os.getpid(), os.getppid()), expected, strict=True))
+    assert reading.errors == []
+
+
 def test_each_read_covers_the_time_since_the_previous_one(simulated, clock):
     # busy at 60 % until 10 s, idle after; the driver keeps about 17 s of samples
     driver = simulated(BUSY_AND_IDLE % "{from: 0.6, to: 0, start: 10s}")

@@ -26,6 +26,7 @@ import pynvml
 
 from exporter.core import fields as readings
 from exporter.core.fields import FIELD_READINGS, FUNCTION_READINGS, Function, Reading
+from exporter.core.procfs import in_initial_pid_namespace
 from exporter.core.snapshot import (
     Gpu,
     GpuInfo,
@@ -183,7 +184,9 @@ class Nvml:
     """Serialised, counted access to NVML with memory of what the driver and GPUs lack.
 
     ``library``: the pynvml-shaped library to call (its functions, constants and ``NVMLError``
-    classes); None for pynvml itself.
+    classes); None for pynvml itself. ``initial_pid_namespace``: whether this process runs
+    in the host's PID namespace (None: found out), which decides how per-process utilization
+    samples are matched to the listed processes (see :meth:`_with_utilization`).
     """
 
     def __init__(
@@ -192,8 +195,12 @@ class Nvml:
         library: Any = None,
         wall: Callable[[], float] = time.time,
         slow_seconds: float = readings.SLOW_SECONDS,
+        initial_pid_namespace: bool | None = None,
     ) -> None:
         self._lib = pynvml if library is None else library
+        if initial_pid_namespace is None:
+            initial_pid_namespace = in_initial_pid_namespace()
+        self._initial_pid_namespace = initial_pid_namespace
         #: How often the slow-cadence readings are read (0: at every sample).
         self.slow_seconds = slow_seconds
         #: The host's clock (seconds since the epoch), which NVML's sample timestamps also use.
@@ -851,7 +858,13 @@ class Nvml:
         """``processes`` with their SM utilization since this GPU's previous read (one call).
 
         NVML answers ``NotFound`` when no process was busy since ``since``: each process then
-        gets 0. Unsupported, failed or invalid: None.
+        gets 0, as does a process without a sample. Unsupported, failed or invalid: None.
+
+        Outside the host's PID namespace (a container, a pod's sidecar), drivers list processes
+        by their PIDs in the caller's namespace but may stamp utilization samples with host
+        PIDs (seen with R560). There, a sample whose PID matches no listed process means the
+        two may not be comparable: processes without a sample get None (unknown), not 0,
+        which would read as idle.
         """
         since = self._utilization_since(info)
         samples: Sequence[Any] | None = self._read(
@@ -869,7 +882,10 @@ class Nvml:
             return processes
         peaks, newest = sm_peaks(samples, since)
         self._utilization_seen[info.uuid] = newest
-        return [p._replace(sm_utilization_ratio=peaks.get(p.pid, 0.0)) for p in processes]
+        absent: float | None = 0.0
+        if not self._initial_pid_namespace and set(peaks) - {p.pid for p in processes}:
+            absent = None
+        return [p._replace(sm_utilization_ratio=peaks.get(p.pid, absent)) for p in processes]
 
     def _utilization_since(self, info: GpuInfo) -> int:
         """Where the GPU's next utilization read starts (µs): after the newest sample seen; 0

@@ -292,6 +292,19 @@ def _process_name(comm: str, cmdline: tuple[str, ...]) -> str:
     return comm
 
 
+#: The inode of the initial PID namespace (the kernel's PROC_PID_INIT_INO): the host's.
+_INITIAL_PID_NAMESPACE = 0xEFFFFFFC
+
+
+def in_initial_pid_namespace() -> bool:
+    """True when this process runs in the host's PID namespace (not in a container's or a
+    pod's own); True too when that cannot be read (no /proc)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino == _INITIAL_PID_NAMESPACE
+    except OSError:
+        return True
+
+
 def file_identity(path: str) -> tuple[str, int, int] | None:
     """What makes a device node the same file in any mount namespace: its device number for a
     character device, else (filesystem, inode); None when it cannot be read."""
