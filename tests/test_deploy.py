@@ -69,6 +69,8 @@ KILL_DROPIN = SYSTEMD / "gpu-exporter.service.d" / "reaper-kill.conf"
 TMPFILES = SYSTEMD / "tmpfiles.d" / "gpu-exporter.conf"
 
 VARIANTS = ("base", "overlays/process-metrics", "overlays/reaper-kill")
+#: The example Job that the sidecar component patches.
+SIDECAR = "sidecar/example"
 KILL_CAPS = {"KILL", "SYS_PTRACE", "DAC_READ_SEARCH"}
 CONFIG_PATH = "/etc/gpu-exporter/config.yaml"
 
@@ -438,18 +440,23 @@ def _merge(base: Any, patch: Any) -> Any:
     return copy.deepcopy(patch)
 
 
-def _python_build(folder: Path) -> list[dict[str, Any]]:
+def _python_build(
+    folder: Path, objects: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """The subset of `kustomize build` these kustomizations use: resources (files and folders),
-    patches (strategic merge), namespace, configMapGenerator (create, replace; no name hash)
-    and images (newName, newTag)."""
+    components (applied to what the resources made), patches (strategic merge, by the patch's
+    kind and name or by a target's kind pattern and label), namespace, configMapGenerator
+    (create, replace; no name hash) and images (newName, newTag)."""
     spec = yaml.safe_load((folder / "kustomization.yaml").read_text())
-    objects: list[dict[str, Any]] = []
+    objects = [] if objects is None else objects
     for resource in spec.get("resources", []):
         path = folder / resource
         if path.is_dir():
             objects.extend(_python_build(path))
         else:
             objects.extend(doc for doc in yaml.safe_load_all(path.read_text()) if doc)
+    for component in spec.get("components", []):
+        objects = _python_build(folder / component, objects)
     for generator in spec.get("configMapGenerator", []):
         data = {Path(f).name: (folder / f).read_text() for f in generator.get("files", [])}
         made = {
@@ -471,16 +478,24 @@ def _python_build(folder: Path) -> list[dict[str, Any]]:
             objects.append(made)
     for patch_ref in spec.get("patches", []):
         patch = yaml.safe_load((folder / patch_ref["path"]).read_text())
-        targets = [
-            o
-            for o in objects
-            if o["kind"] == patch["kind"] and o["metadata"]["name"] == patch["metadata"]["name"]
-        ]
-        assert len(targets) == 1, f"{patch_ref['path']} matches {len(targets)} objects"
-        objects[objects.index(targets[0])] = _merge(targets[0], patch)
+        target = patch_ref.get("target")
+        if target is None:
+            targets = [
+                o
+                for o in objects
+                if o["kind"] == patch["kind"] and o["metadata"]["name"] == patch["metadata"]["name"]
+            ]
+            assert len(targets) == 1, f"{patch_ref['path']} matches {len(targets)} objects"
+        else:  # the target picks the objects; the patch's own kind and name do not count
+            targets = [o for o in objects if _selected(o, target)]
+            patch = {k: v for k, v in patch.items() if k not in ("apiVersion", "kind")}
+            patch["metadata"] = {k: v for k, v in patch["metadata"].items() if k != "name"}
+        for found in targets:
+            objects[objects.index(found)] = _merge(found, patch)
     for image in spec.get("images", []):
         for obj in objects:
-            for container in _pod_spec(obj).get("containers", []):
+            pod = _pod_spec(obj)
+            for container in [*pod.get("initContainers", []), *pod.get("containers", [])]:
                 if container["image"].split(":")[0] == image["name"]:
                     name = image.get("newName", image["name"])
                     container["image"] = f"{name}:{image['newTag']}"
@@ -489,6 +504,16 @@ def _python_build(folder: Path) -> list[dict[str, Any]]:
             if obj["kind"] != "Namespace":
                 obj["metadata"]["namespace"] = spec["namespace"]
     return objects
+
+
+def _selected(obj: dict[str, Any], target: dict[str, str]) -> bool:
+    """Whether a patch's ``target`` (a kind pattern, a ``key=value`` label) picks ``obj``."""
+    if "kind" in target and not re.fullmatch(target["kind"], obj["kind"]):
+        return False
+    if "labelSelector" in target:
+        key, value = target["labelSelector"].split("=")
+        return obj["metadata"].get("labels", {}).get(key) == value
+    return True
 
 
 def _pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
@@ -506,7 +531,7 @@ def _kubectl_build(folder: Path) -> list[dict[str, Any]] | None:
 
 def _strip_hash(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Objects without kustomize's ConfigMap name hash, in a stable order."""
-    text = re.sub(r"(gpu-exporter-config)-[a-z0-9]{10}\b", r"\1", json.dumps(objects))
+    text = re.sub(r"(gpu-exporter(?:-sidecar)?-config)-[a-z0-9]{10}\b", r"\1", json.dumps(objects))
     return sorted(json.loads(text), key=lambda o: (o["kind"], o["metadata"]["name"]))
 
 
@@ -529,7 +554,7 @@ def _one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return found[0]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [*VARIANTS, SIDECAR])
 def test_python_build_matches_kustomize(variant):
     built = _kubectl_build(KUBE / variant)
     if built is None:
@@ -682,6 +707,144 @@ def test_service_and_service_monitor(variant):
     rule = _one(objects, "PrometheusRule")
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
     assert rule["spec"]["groups"]
+
+
+# -- Kubernetes: the sidecar component ----------------------------------------------------------
+
+
+def _sidecar_pod() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The example Job's pod template, its spec, the sidecar and the training container."""
+    job = _one(_build(SIDECAR), "Job")
+    pod = _pod_spec(job)
+    (sidecar,) = pod["initContainers"]
+    (training,) = pod["containers"]
+    return job["spec"]["template"], pod, sidecar, training
+
+
+def test_sidecar_manifests_match_the_kubernetes_schemas():
+    validate = _validate()
+    # DRA's resource.k8s.io/v1 (the shared claim) is there from Kubernetes 1.34 on
+    versions = sorted({"1.34.0", validate.latest_version()})
+    checked = set()
+    for obj in _build(SIDECAR):
+        for version in versions:
+            try:
+                validate.validate(obj, version, strict=True)
+            except validate.SchemaNotFoundError:
+                assert obj["apiVersion"] == "monitoring.coreos.com/v1", obj["kind"]
+                continue
+            except validate.ValidationError as exc:
+                pytest.fail(f"{obj['kind']} {obj['metadata']['name']} on {version}: {exc}")
+            checked.add(obj["kind"])
+    assert checked == {"ConfigMap", "Job", "ResourceClaimTemplate"}
+
+
+def test_the_component_patches_only_labelled_workloads(tmp_path):
+    """Every kind the target names gets the sidecar when labelled, nothing else does."""
+    folder = tmp_path / "app"
+    folder.mkdir()
+    workloads = []
+    for kind, api in (("Job", "batch/v1"), ("Deployment", "apps/v1"), ("StatefulSet", "apps/v1")):
+        for labelled in (True, False):
+            labels = {"gpu-exporter.io/sidecar": "true"} if labelled else {}
+            workloads.append(
+                {
+                    "apiVersion": api,
+                    "kind": kind,
+                    "metadata": {"name": f"{kind.lower()}-{labelled}", "labels": labels},
+                    "spec": {"template": {"spec": {"containers": [{"name": "a", "image": "b"}]}}},
+                }
+            )
+    (folder / "workloads.yaml").write_text(yaml.safe_dump_all(workloads))
+    component = os.path.relpath(KUBE / "sidecar" / "component", folder)
+    kustomization = {"resources": ["workloads.yaml"], "components": [component]}
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    builds = [_python_build(folder)]
+    if (built := _kubectl_build(folder)) is not None:
+        builds.append(built)
+    for objects in builds:
+        patched = {
+            o["metadata"]["name"]: "initContainers" in _pod_spec(o)
+            for o in objects
+            if o["kind"] in ("Job", "Deployment", "StatefulSet")
+        }
+        assert patched == {name: name.endswith("True") for name in patched}, patched
+        assert len(patched) == 6
+        assert {o["kind"] for o in objects} >= {"ConfigMap", "PodMonitor"}
+
+
+def test_the_sidecar_has_no_host_paths_and_no_privileges():
+    _, pod, sidecar, training = _sidecar_pod()
+    assert pod["shareProcessNamespace"] is True  # the pod's processes, and only those
+    for key in ("hostPID", "hostNetwork", "hostIPC"):
+        assert not pod.get(key), key
+    assert all("hostPath" not in volume for volume in pod["volumes"])
+    assert pod["automountServiceAccountToken"] is False
+    security = sidecar["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"]}  # the dry run needs none
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert not security.get("privileged")
+    # one user for the pod: the sidecar reads the training processes as their own user
+    assert isinstance(pod["securityContext"]["runAsUser"], int)
+    for container in (sidecar, training):
+        assert "runAsUser" not in container.get("securityContext", {}), container["name"]
+    config = yaml.safe_load(_one(_build(SIDECAR), "ConfigMap")["data"]["config.yaml"])
+    assert config["actions"]["zombie_reaper"]["dry_run"] is True
+
+
+def test_the_sidecar_is_a_native_sidecar_ready_before_the_training_container():
+    _, _, sidecar, _ = _sidecar_pod()
+    assert sidecar["restartPolicy"] == "Always"  # ends after the Job's containers, not with them
+    probe = sidecar["startupProbe"]["httpGet"]
+    assert (probe["path"], probe["port"]) == ("/healthz", sidecar["ports"][0]["name"])
+    assert "readinessProbe" not in sidecar
+
+
+def test_the_sidecar_shares_the_pods_gpus_and_locks_with_the_training_container():
+    _, pod, sidecar, training = _sidecar_pod()
+    claims = {claim["name"] for claim in pod["resourceClaims"]}
+    assert sidecar["resources"]["claims"] == training["resources"]["claims"]
+    assert {claim["name"] for claim in sidecar["resources"]["claims"]} <= claims
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    for container in (sidecar, training):
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert "emptyDir" in volumes[mounts[SYSTEM_LOCK_DIR]], container["name"]
+    env = {item["name"]: item["value"] for item in sidecar["env"]}
+    assert env["GPU_EXPORTER_LOCK_DIR"] == SYSTEM_LOCK_DIR
+
+
+def test_the_training_container_asks_the_sidecar_on_localhost(tmp_path):
+    _, pod, sidecar, training = _sidecar_pod()
+    assert sidecar["args"] == ["serve", "--config", CONFIG_PATH]
+    mounts = {m["mountPath"]: m["name"] for m in sidecar["volumeMounts"]}
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    config_map = volumes[mounts[os.path.dirname(CONFIG_PATH)]]["configMap"]["name"]
+    (made,) = [o for o in _build(SIDECAR) if o["kind"] == "ConfigMap"]
+    assert config_map == made["metadata"]["name"]  # with its hash, where kustomize adds one
+    text = made["data"][os.path.basename(CONFIG_PATH)]
+    (tmp_path / "config.yaml").write_text(text)
+    run = subprocess.run(
+        [sys.executable, "-m", "exporter", "check-config", str(tmp_path / "config.yaml")],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    port = int(yaml.safe_load(text)["listen"].rpartition(":")[2])
+    assert sidecar["ports"][0]["containerPort"] == port
+    command = training["command"]
+    assert command[:4] == ["gpu-exporter", "run", "--from", f"http://localhost:{port}"], command
+    assert command[4] == "--"
+
+
+def test_the_podmonitor_scrapes_the_sidecars_port():
+    template, _, sidecar, _ = _sidecar_pod()
+    monitor = _one(_build(SIDECAR), "PodMonitor")
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    )
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == (sidecar["ports"][0]["name"], "/metrics")
 
 
 # -- Kubernetes: node-problem-detector ----------------------------------------------------------
