@@ -15,13 +15,19 @@ wheels of deploy/container/build.sh, and every check looks from outside the cont
 - in the container's own PID namespace, a simulated orphan is reported by the zombie reaper in
   its default dry run: ``gpu_zombie_processes{class="orphan"}``, its verdict in /snapshot and the
   audit lines with the evidence;
-- the image adds little to its base: no pip, no wheels, no pip cache.
+- the image adds little to its base: no pip, no wheels, no pip cache;
+- as a pod's sidecar (a podman pod, one PID namespace for its containers): `run --from` in the
+  training container gets one of the pod's GPUs from the agent, the agent lists the job's
+  processes by the training container's own PIDs with its container id, and when the job's main
+  process is killed, the reaper's dry run finds the worker it left on the GPU an orphan, with
+  the evidence.
 
 The image is built once for the module (about 20 s; the base is made once, about 1 minute, and
 kept between runs, named by a hash of debian-base.sh; older ones are removed). Every container
 and the image are removed at the end. Skips, saying why, where containers cannot run: no
-podman, not root, no base and no mmdebstrap to make one, podman refusing to start a container,
-no package index for the dependencies' wheels. test.sh installs podman, runc and mmdebstrap.
+podman, not root, no base and no mmdebstrap to make one, podman refusing to start a container
+(or a pod), no package index for the dependencies' wheels. test.sh installs podman, runc,
+catatonit (the pods' init) and mmdebstrap.
 """
 
 from __future__ import annotations
@@ -214,12 +220,17 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
 
 @contextlib.contextmanager
 def container(
-    image: Image, *args: str, options: tuple[str, ...] = (), ready: bool = True
+    image: Image,
+    *args: str,
+    options: tuple[str, ...] = (),
+    ready: bool = True,
+    pod: str = "",
+    port: int = 0,
 ) -> Iterator[Container]:
-    """``podman run -d`` of the image with ``args`` on a free loopback port (through
-    GPU_EXPORTER_LISTEN, which the HEALTHCHECK follows too), removed at the end; waits for
-    /healthz to answer unless ``ready`` is false."""
-    port = free_port()
+    """``podman run -d`` of the image with ``args`` on a free loopback port (or ``port``;
+    through GPU_EXPORTER_LISTEN, which the HEALTHCHECK follows too), in the host's network or
+    in ``pod``, removed at the end; waits for /healthz to answer unless ``ready`` is false."""
+    port = port or free_port()
     name = f"gpu-exporter-test-{secrets.token_hex(4)}"
     podman(
         image.env,
@@ -227,8 +238,7 @@ def container(
         "--detach",
         "--name",
         name,
-        "--network",
-        "host",
+        *(("--pod", pod) if pod else ("--network", "host")),
         "--log-driver",
         "k8s-file",
         "--env",
@@ -296,6 +306,13 @@ def _unexpected(lines: list[str], expected: list[str]) -> list[str]:
             continue
         bad.append(line)
     return bad
+
+
+def _audits(lines: list[str]) -> list[dict]:
+    """The zombie reaper's audit records among the agent's log lines (no audit_log: INFO)."""
+    return [
+        json.loads("{" + line.split(" audit: {", 1)[1]) for line in lines if " audit: {" in line
+    ]
 
 
 def _host_uids(pid: int) -> set[int]:
@@ -503,9 +520,7 @@ def test_a_simulated_orphan_is_reported_in_dry_run(image: Image, tmp_path: Path)
         assert init.split("\0")[1:3] == ["/opt/gpu-exporter/bin/gpu-exporter", "serve"], init
 
         lines = box.log()
-        audits = [
-            json.loads("{" + line.split(" audit: {", 1)[1]) for line in lines if " audit: {" in line
-        ]
+        audits = _audits(lines)
         why = (
             f"its job's process {job} (parent) held this GPU and has exited; no GPU activity since"
         )
@@ -535,6 +550,171 @@ def test_a_simulated_orphan_is_reported_in_dry_run(image: Image, tmp_path: Path)
         # Writable root, no tmpfs: still nobody, and a start with no warning at all.
         assert _host_uids(int(box.inspect("{{.State.Pid}}"))) == {NOBODY}
         assert _unexpected(lines, []) == []
+
+
+# -- the agent as a pod's sidecar ------------------------------------------------------------------
+
+POD_GPUS = {
+    "GPU-5ec0a000-0000-4000-8000-000000000000": 0,
+    "GPU-5ec0a000-0000-4000-8000-000000000001": 1,
+}
+#: The pod's GPUs: every process of the pod that opens one's stand-in (in /sim, shared with the
+#: training container as the device nodes are) is listed on it, as the driver lists CUDA
+#: processes; none uses the SMs, so a leftover is idle from the start.
+SIDECAR_SCENARIO = "driver: {device_folder: /sim}\ngpus:\n" + "".join(
+    f"  - {{uuid: {uuid}, minor_number: {minor}, processes: [{{holders: true, memory: 3GiB}}]}}\n"
+    for uuid, minor in POD_GPUS.items()
+)
+#: The same GPUs as the training container's own driver shows them (run checks its choice
+#: there under the lock): the simulation of the launcher, with its stand-ins in its own /tmp.
+LAUNCHER_SCENARIO = "gpus:\n" + "".join(
+    f"  - {{uuid: {uuid}, minor_number: {minor}}}\n" for uuid, minor in POD_GPUS.items()
+)
+SIDECAR_CONFIG = """\
+simulate: /etc/gpu-exporter/scenario.yaml
+interval: 500ms
+expose_cmdline: true
+actions:
+  zombie_reaper: {every: 500ms, min_age: 1s}
+"""
+#: The training container's job, started by `gpu-exporter run --from`: it opens the GPU that
+#: run chose (a CUDA program opens /dev/nvidiaN), starts a data-loader worker that inherits it,
+#: says who is who, and trains until it is killed.
+TRAIN = f"""\
+import json, os, subprocess, sys, time
+gpu = os.environ["CUDA_VISIBLE_DEVICES"]
+device = open("/sim/nvidia%d" % {POD_GPUS!r}[gpu])
+worker = subprocess.Popen(
+    [sys.executable, "-c", "import time; time.sleep(1e9)", "dataloader-worker"],
+    pass_fds=(device.fileno(),),
+)
+print(json.dumps({{"train": os.getpid(), "worker": worker.pid, "gpu": gpu}}), flush=True)
+time.sleep(1e9)
+"""
+
+
+def _shared(path: Path, mode: int) -> str:
+    path.mkdir(mode=mode)
+    path.chmod(mode)  # past the umask
+    return str(path)
+
+
+@pytest.fixture
+def pod(image: Image) -> Iterator[str]:
+    """A podman pod whose containers share one PID namespace (Kubernetes'
+    shareProcessNamespace) and, here, the host's network; removed with its containers."""
+    name = f"gpu-exporter-test-pod-{secrets.token_hex(4)}"
+    made = podman(
+        image.env,
+        "pod",
+        "create",
+        "--name",
+        name,
+        "--share",
+        "pid",
+        "--network",
+        "host",
+        check=False,
+    )
+    if made.returncode != 0:
+        pytest.skip(f"podman cannot make a pod here: {made.stderr.strip()[-500:]}")
+    try:
+        yield name
+    finally:
+        podman(image.env, "pod", "rm", "--force", "--time", "2", name, check=False)
+
+
+def test_a_sidecar_sees_the_training_containers_job_and_its_left_behind_worker(
+    image: Image, pod: str, tmp_path: Path
+) -> None:
+    conf = Path(_shared(tmp_path / "conf", 0o755))
+    (conf / "scenario.yaml").write_text(SIDECAR_SCENARIO)
+    (conf / "config.yaml").write_text(SIDECAR_CONFIG)
+    (conf / "train.py").write_text(TRAIN)
+    (conf / "gpus.yaml").write_text(LAUNCHER_SCENARIO)
+    for path in conf.iterdir():
+        path.chmod(0o644)
+    sim = _shared(tmp_path / "sim", 0o777)  # the device stand-ins, in both containers
+    locks = _shared(tmp_path / "locks", 0o1777)  # the launchers' locks, an emptyDir in a pod
+    shared = ("--volume", f"{sim}:/sim", "--volume", f"{locks}:/run/gpu-exporter/locks")
+    agent_options = (*READ_ONLY, "--volume", f"{conf}:/etc/gpu-exporter:ro", *shared)
+    with container(
+        image, "serve", "--config", "/etc/gpu-exporter/config.yaml", options=agent_options, pod=pod
+    ) as agent:
+        job_options = (*READ_ONLY, "--volume", f"{conf}:/job:ro", *shared)
+        train_command = ("run", "--from", agent.url(""), "--simulate", "/job/gpus.yaml")
+        train_command += ("--", "python3", "/job/train.py")
+        with container(image, *train_command, options=job_options, pod=pod, ready=False) as main:
+            said = until(lambda: _job_line(main), "the job to say who it is", timeout=30)
+            train, worker, gpu = said["train"], said["worker"], said["gpu"]
+            assert gpu in POD_GPUS  # run --from chose one of the pod's GPUs through the agent
+
+            def listed() -> dict[int, dict]:
+                snapshot = json.loads(http_get(agent.url("/snapshot"))[1])
+                (chosen,) = [g for g in snapshot["gpus"] if g["uuid"] == gpu]
+                return {p["pid"]: p | {"gpu": chosen} for p in chosen["processes"]}
+
+            seen = until(lambda: {train, worker} <= set(listed()) and listed(), "both listed")
+            # By PID: the sidecar's PIDs are the training container's own, and so is the cgroup.
+            main_id = main.inspect("{{.Id}}")
+            for pid, script in ((train, "/job/train.py"), (worker, "dataloader-worker")):
+                assert script in seen[pid]["cmdline"], seen[pid]
+                assert (seen[pid]["container_id"], seen[pid]["uid"]) == (main_id, NOBODY)
+            assert seen[worker]["ppid"] == train
+            launcher = seen[train]["ppid"]  # gpu-exporter run, which holds the GPU's lock
+            assert seen[train]["gpu"]["reserved_by"] == launcher, seen[train]["gpu"]
+            init = podman(image.env, "exec", agent.name, "cat", "/proc/1/cmdline").stdout
+            assert "catatonit" in init.split("\0")[0], init  # the pod's, as pause in Kubernetes
+
+            # The reaper must have seen them both alive: a process first seen after its job
+            # ended is no evidence.
+            ran = _reaper_runs(agent)
+            until(lambda: _reaper_runs(agent) >= ran + 2, "two runs of the reaper")
+            # The main process dies (the OOM killer's SIGKILL); run waits for what it left.
+            podman(image.env, "exec", main.name, "sh", "-c", f"kill -KILL {train}")
+            until(lambda: train not in listed(), "the killed process to leave the GPU")
+
+            audits = until(lambda: _audits(agent.log()), "the reaper's audit lines", timeout=30)
+            why = (
+                f"its job's process {train} (parent) held this GPU and has exited; no GPU "
+                "activity since"
+            )
+            assert {k: audits[0][k] for k in ("event", "class", "pid", "why", "dry_run")} == {
+                "event": "found",
+                "class": "orphan",
+                "pid": worker,
+                "why": why,
+                "dry_run": True,
+            }, audits
+            assert (audits[0]["uuid"], audits[0]["ppid"]) == (gpu, launcher)
+            # Spared as a real run would spare it: run, its job's subreaper, holds the lock
+            # and waits for it (the launcher's own protection comes before dry run).
+            assert {k: audits[1][k] for k in ("event", "reason", "pid")} == {
+                "event": "skipped",
+                "reason": "launcher_lock",
+                "pid": worker,
+            }
+            decision = {"class": "orphan", "decision": "skipped launcher_lock"}
+            assert listed()[worker]["reaper"] == decision
+            orphans = samples(http_get(agent.url("/metrics"))[1].encode())
+            assert one(orphans, "gpu_zombie_processes", uuid=gpu, **{"class": "orphan"}) == 1
+            assert main.inspect("{{.State.Status}}") == "running"
+            left = [line for line in main.log() if "leftover" in line]
+            assert left and f"({worker})" in left[0], main.log()
+
+
+def _reaper_runs(agent: Container) -> float:
+    found = samples(http_get(agent.url("/metrics"))[1].encode())
+    return one(found, "gpu_exporter_action_runs_total", action="zombie_reaper")
+
+
+def _job_line(box: Container) -> dict | None:
+    """The job's JSON line in the training container's log, once it has written it."""
+    for line in box.log():
+        if line.startswith("{"):
+            return json.loads(line)
+    assert box.inspect("{{.State.Status}}") == "running", box.log()
+    return None
 
 
 # -- what the image holds -------------------------------------------------------------------------
