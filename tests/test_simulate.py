@@ -43,7 +43,11 @@ def test_builtin_scenario_loads():
         ("gpus:\n  - errors: [{field: nope}]\n", "s.yaml:2", "unknown field 'nope'"),
         ("gpus:\n  - utilization: 1.5\n", "s.yaml:2", "must be from 0 to 1"),
         ("gpus:\n  - memory_total: lots\n", "s.yaml:2", "gpus[0].memory_total"),
-        ("gpus:\n  - processes: [{memory: 1GiB}]\n", "s.yaml:2", "exactly one of pid, spawn and holders"),
+        (
+            "gpus:\n  - processes: [{memory: 1GiB}]\n",
+            "s.yaml:2",
+            "exactly one of pid, spawn and holders",
+        ),
         ("gpus:\n  - processes: [{pid: -3}]\n", "s.yaml:2", "positive PID"),
         (
             "gpus:\n  - processes: [{pid: 1, sm_utilization: 1.5}]\n",
@@ -176,8 +180,7 @@ def test_holders_are_the_processes_outside_the_simulation_that_open_a_stand_in(t
             assert time.monotonic() < deadline, "the holder was not listed"
             time.sleep(0.02)
             listed = {
-                p.pid: p.usedGpuMemory
-                for p in driver.nvmlDeviceGetComputeRunningProcesses(first)
+                p.pid: p.usedGpuMemory for p in driver.nvmlDeviceGetComputeRunningProcesses(first)
             }
         assert listed == {job.pid: 2 << 30, spawned: 1 << 30}
         assert _listed(driver, second) == []
