@@ -54,5 +54,5 @@ if [ ! -d ".nvml-oldest/nvidia_ml_py-$oldest.dist-info" ]; then
 fi
 echo "test.sh: the NVML layer on nvidia-ml-py $oldest"
 PYTHONPATH=.nvml-oldest .venv/bin/python -m pytest -q -p no:cacheprovider \
-    tests/test_nvml.py tests/test_fields.py tests/test_xid.py tests/test_collect.py \
+    tests/test_nvml.py tests/test_fields.py tests/test_gpm.py tests/test_xid.py tests/test_collect.py \
     tests/test_simulate.py tests/test_metrics.py tests/test_faults.py

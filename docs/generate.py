@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from exporter.core.fields import READINGS, FieldValue, Reading  # noqa: E402
+from exporter.core.fields import READINGS, FieldValue, GpmMetric, Reading  # noqa: E402
 
 DOC = ROOT / "docs" / "metrics.md"
 BEGIN, END = "<!-- readings:begin -->", "<!-- readings:end -->"
@@ -40,6 +40,8 @@ def _source(reading: Reading) -> str:
         if reading.fallback is not None:
             text += f", else `{reading.fallback.name}`"
         return text
+    if isinstance(source, GpmMetric):
+        return f"GPM metric `{source.constant}` ({source.id}), [between two samples](#gpm)"
     item = f"[{source.item}]" if source.item is not None else ""
     return f"`{source.name}`{item}"
 

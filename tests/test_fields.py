@@ -18,6 +18,7 @@ from exporter.core.fields import (
     READINGS,
     FieldValue,
     Function,
+    GpmMetric,
     Reading,
 )
 from exporter.core.nvml import Nvml
@@ -63,6 +64,7 @@ def _everything() -> str:
         [
             "gpus:",
             "  - name: NVIDIA H100 80GB HBM3",
+            "    gpm: true",
             "    power: 250",
             "    memory_temperature: 45",
             "    ecc: {corrected: 4, uncorrected: 2}",
@@ -81,6 +83,11 @@ def _everything() -> str:
 def _sample(collector: Collector):
     snap = collector.sample()
     return snap, samples(render(snap, SelfStats(interval_seconds=5)))
+
+
+def _gpm(reading: Reading) -> bool:
+    """A GPM reading: computed between two samples, so first present at the second."""
+    return isinstance(reading.source, GpmMetric)
 
 
 def _labels(reading: Reading, link: int | None = None) -> dict[str, str]:
@@ -142,8 +149,11 @@ def test_the_pynvml_constants_the_table_names_have_its_numbers():
 # -- present, with its value ------------------------------------------------------------------
 
 
-def test_every_reading_is_exported_with_its_value(simulated, collector):
+def test_every_reading_is_exported_with_its_value(simulated, collector, clock):
     simulated(_everything())
+    _, first = _sample(collector)
+    assert not [r.key for r in READINGS if _gpm(r) and r.metric in first]  # nothing to compare
+    clock.advance(1)
     snap, found = _sample(collector)
     gpu = snap.gpus[0]
     assert gpu.up and snap.errors == ()
@@ -207,18 +217,25 @@ def test_nvlink_down_and_links_without_fields(simulated, collector, clock):
 def test_an_unsupported_reading_is_absent_and_not_asked_again(simulated, clock, key):
     reading = BY_KEY[key]
     nvlink = "    nvlink: {links: 2}\n" if reading.per_link else ""
-    driver = simulated(f"gpus:\n  - unsupported: [{key}]\n{nvlink}")
+    driver = simulated(f"gpus:\n  - gpm: true\n    unsupported: [{key}]\n{nvlink}")
     collector = Collector(Nvml(library=driver, slow_seconds=0), ProcFs(), monotonic=clock)
     asked: list[list[int]] = []
     real = driver.nvmlDeviceGetFieldValues
+    metrics_asked: list[list[int]] = []
+    real_metrics = driver.nvmlGpmMetricsGet
 
     def recording(handle, ids):
         asked.append([i if isinstance(i, int) else i[0] for i in ids])
         return real(handle, ids)
 
+    def recording_metrics(request):
+        metrics_asked.append([m.metricId for m in request.metrics[: request.numMetrics]])
+        return real_metrics(request)
+
     driver.nvmlDeviceGetFieldValues = recording
+    driver.nvmlGpmMetricsGet = recording_metrics
     try:
-        for _ in range(3):
+        for _ in range(4):
             snap, found = _sample(collector)
             assert snap.errors == ()
             got = [
@@ -244,7 +261,9 @@ def test_an_unsupported_reading_is_absent_and_not_asked_again(simulated, clock, 
     if isinstance(reading.source, FieldValue):
         field_id = reading.field_id(0 if reading.per_link else None)
         # asked once (the first sample), then left out of the call
-        assert [field_id in ids for ids in asked[1:]] == [True, False, False]
+        assert [field_id in ids for ids in asked[1:]] == [True, False, False, False]
+    elif isinstance(reading.source, GpmMetric):  # GPM's first answer is at the second sample
+        assert [reading.source.id in ids for ids in metrics_asked] == [True, False, False]
     elif _available(reading):
         assert isinstance(reading.source, Function)
         assert driver.calls[reading.source.name] == 1
@@ -291,11 +310,16 @@ def test_an_error_is_absent_this_sample_counted_and_read_again(simulated, clock,
     if not _available(reading):
         pytest.skip(f"this nvidia-ml-py has no {reading.source}")
     nvlink = "    nvlink: {links: 2}\n" if reading.per_link else ""
+    start = "1s" if _gpm(reading) else "0s"  # GPM: after its first sample, which asks nothing
     driver = simulated(
-        f"gpus:\n  - errors: [{{field: {key}, error: Timeout, until: 5s}}]\n{nvlink}"
+        f"gpus:\n  - gpm: true\n    errors: [{{field: {key}, error: Timeout, from: {start},"
+        f" until: 5s}}]\n{nvlink}"
     )
     collector = Collector(Nvml(library=driver, slow_seconds=0), ProcFs(), monotonic=clock)
     try:
+        if _gpm(reading):
+            collector.sample()
+            clock.advance(1)
         snap, found = _sample(collector)
         if reading.cadence == "static":  # read with the static facts: read again later
             assert key not in snap.gpus[0].info.fields

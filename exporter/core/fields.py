@@ -1,9 +1,9 @@
 """The per-GPU readings declared as data: one entry per metric, as dcgm-exporter's counters CSV.
 
 Each :class:`Reading` names where a value comes from (an ``nvmlDeviceGetFieldValues`` field id,
-or a pynvml function of the GPU's handle), how to scale it to base units, the metric it is
-exported as (name, type, help, fixed labels), how often it is read, and the value the
-simulated driver answers by default. The one table drives the NVML read (``core.nvml``: every
+a pynvml function of the GPU's handle, or a GPM metric id), how to scale it to base units, the
+metric it is exported as (name, type, help, fixed labels), how often it is read, and the value
+the simulated driver answers by default. The one table drives the NVML read (``core.nvml``: every
 field value of a GPU in one call per sample), the exposition, the simulated driver and the rows
 of ``docs/metrics.md``; adding a metric is adding an entry.
 
@@ -44,6 +44,15 @@ class Function:
 
 
 @dataclass(frozen=True, slots=True)
+class GpmMetric:
+    """A metric of NVML's GPU Performance Monitoring (``nvmlGpmMetricsGet`` over two
+    ``nvmlGpmSampleGet`` samples; Hopper and later): its ``id``, pynvml's ``constant``."""
+
+    id: int
+    constant: str
+
+
+@dataclass(frozen=True, slots=True)
 class Reading:
     """One metric read per GPU (or per GPU and NVLink link)."""
 
@@ -52,7 +61,7 @@ class Reading:
     kind: Kind
     help: str
     unit: str  # for the docs
-    source: FieldValue | Function
+    source: FieldValue | Function | GpmMetric
     scale: float = 1.0  # NVML's unit to the base unit
     labels: tuple[tuple[str, str], ...] = ()  # fixed extra labels
     cadence: Cadence = "sample"
@@ -131,6 +140,96 @@ _NVLINK_ERRORS = (
 _NS = 1e-9
 _MILLI = 1e-3
 _KIB = 1024.0
+_MIB = 1048576.0
+_PERCENT = 0.01
+#: GPM's activities: (key, metric, NVML_GPM_METRIC_ id and name, what it measures).
+_GPM_ACTIVITIES = (
+    ("sm_active", "gpu_sm_active_ratio", 2, "SM_UTIL", "Share of the SMs busy"),
+    (
+        "sm_occupancy",
+        "gpu_sm_occupancy_ratio",
+        3,
+        "SM_OCCUPANCY",
+        "Resident warps against the SMs' maximum",
+    ),
+    (
+        "tensor_active",
+        "gpu_tensor_active_ratio",
+        5,
+        "ANY_TENSOR_UTIL",
+        "Share of time the SMs ran any tensor-core instruction",
+    ),
+    (
+        "dram_active",
+        "gpu_dram_active_ratio",
+        10,
+        "DRAM_BW_UTIL",
+        "Memory bandwidth used against its maximum",
+    ),
+    (
+        "fp64_active",
+        "gpu_fp64_active_ratio",
+        11,
+        "FP64_UTIL",
+        "Share of time in FP64 (not tensor) math",
+    ),
+    (
+        "fp32_active",
+        "gpu_fp32_active_ratio",
+        12,
+        "FP32_UTIL",
+        "Share of time in FP32 (not tensor) math",
+    ),
+    (
+        "fp16_active",
+        "gpu_fp16_active_ratio",
+        13,
+        "FP16_UTIL",
+        "Share of time in FP16 (not tensor) math",
+    ),
+    (
+        "graphics_engine_active",
+        "gpu_graphics_engine_active_ratio",
+        1,
+        "GRAPHICS_UTIL",
+        "Share of time the graphics or compute engine was active",
+    ),
+)
+#: GPM's bandwidths, in MiB/s: (key, metric, id and name, direction and bus).
+_GPM_RATES = (
+    (
+        "pcie_transmit_rate",
+        "gpu_pcie_transmit_bytes_per_second",
+        20,
+        "PCIE_TX_PER_SEC",
+        "PCIe, sent",
+    ),
+    (
+        "pcie_receive_rate",
+        "gpu_pcie_receive_bytes_per_second",
+        21,
+        "PCIE_RX_PER_SEC",
+        "PCIe, received",
+    ),
+    (
+        "nvlink_transmit_rate",
+        "gpu_nvlink_transmit_bytes_per_second",
+        61,
+        "NVLINK_TOTAL_TX_PER_SEC",
+        "NVLink, all links, written",
+    ),
+    (
+        "nvlink_receive_rate",
+        "gpu_nvlink_receive_bytes_per_second",
+        60,
+        "NVLINK_TOTAL_RX_PER_SEC",
+        "NVLink, all links, read",
+    ),
+)
+_GPM_ABSENT = (
+    "GPUs without GPM (gpu_gpm_supported 0: before Hopper, most consumer GPUs), GPUs whose "
+    "GPM lacks the metric, the first sample after start, while the counters are busy"
+)
 
 READINGS: tuple[Reading, ...] = (
     # -- power and temperature -------------------------------------------------------------
@@ -567,12 +666,41 @@ READINGS: tuple[Reading, ...] = (
         0.01,
         absent="GPUs without NVDEC where the driver says so",
     ),
+    # -- GPU Performance Monitoring: between this sample and the previous one ---------------
+    *(
+        Reading(
+            key,
+            metric,
+            "gauge",
+            f"{what} since the previous sample, from GPM (0-1).",
+            "0-1",
+            GpmMetric(number, "NVML_GPM_METRIC_" + constant),
+            _PERCENT,
+            absent=_GPM_ABSENT,
+        )
+        for key, metric, number, constant, what in _GPM_ACTIVITIES
+    ),
+    *(
+        Reading(
+            key,
+            metric,
+            "gauge",
+            f"Bytes a second over {what}, since the previous sample, from GPM.",
+            "bytes/s",
+            GpmMetric(number, "NVML_GPM_METRIC_" + constant),
+            _MIB,
+            absent=_GPM_ABSENT,
+        )
+        for key, metric, number, constant, what in _GPM_RATES
+    ),
 )
 
 BY_KEY: dict[str, Reading] = {reading.key: reading for reading in READINGS}
 #: The field-value readings, and the function readings, of each cadence.
 FIELD_READINGS = tuple(r for r in READINGS if isinstance(r.source, FieldValue))
 FUNCTION_READINGS = tuple(r for r in READINGS if isinstance(r.source, Function))
+#: The GPM readings: one ``nvmlGpmMetricsGet`` per GPU and sample asks for all of them.
+GPM_READINGS = tuple(r for r in READINGS if isinstance(r.source, GpmMetric))
 
 #: ``gpu_recovery_action``'s values, as NVML numbers them (``nvmlDeviceGpuRecoveryAction_t``).
 RECOVERY_ACTIONS = (

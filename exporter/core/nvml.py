@@ -25,7 +25,14 @@ from typing import Any, NamedTuple
 import pynvml
 
 from exporter.core import fields as readings
-from exporter.core.fields import FIELD_READINGS, FUNCTION_READINGS, Function, Reading
+from exporter.core.fields import (
+    FIELD_READINGS,
+    FUNCTION_READINGS,
+    GPM_READINGS,
+    Function,
+    Reading,
+)
+from exporter.core.gpm import GpmState, metric_values, metrics_request
 from exporter.core.procfs import in_initial_pid_namespace
 from exporter.core.snapshot import (
     Gpu,
@@ -76,6 +83,8 @@ _NOT_FOUND_IS_ERROR: Any = object()
 #: Per-process utilization is read last in a GPU's sample, after every other call on the GPU has
 #: answered: an ``Unknown`` from it is this call's trouble, not the GPU's.
 _PROCESS_UTILIZATION_FATAL = _GPU_FATAL - {"Unknown"}
+#: Neither fails the GPU: an ``Unknown`` of GPM alone is GPM's failure.
+_GPM_FATAL = _GPU_FATAL - {"Unknown"}
 #: How far ahead of the host's clock a remembered sample timestamp may be before it is distrusted.
 _CLOCK_SLACK_SECONDS = 1.0
 #: The longest event wait ``wait_event`` allows, seconds (shutdown waits for one to end).
@@ -233,6 +242,8 @@ class Nvml:
         self._event_devices: dict[int, str] = {}
         #: GPU index -> (its static facts, gaps known, the field values to ask for).
         self._requests: dict[int, tuple[GpuInfo, int, list[_FieldEntry], list[Any]]] = {}
+        #: GPU index -> its GPM samples, request and backoff (GPUs that support GPM).
+        self._gpm: dict[int, GpmState] = {}
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -320,6 +331,7 @@ class Nvml:
         self._slow.clear()
         self._event_devices.clear()
         self._requests.clear()
+        self._gpm.clear()  # the samples went with the previous initialisation
         try:
             self.call("nvmlInit")
         except Exception as exc:
@@ -374,6 +386,7 @@ class Nvml:
             log.warning("an NVML call is still running; not calling nvmlShutdown")
             return False
         try:
+            self._free_gpm_samples()
             fn = getattr(self._lib, "nvmlShutdown", None)
             if fn is not None:
                 self.calls += 1
@@ -417,6 +430,7 @@ class Nvml:
         self._unsupported = {key for key in self._unsupported if key[0] != index}
         self._supported = {key for key in self._supported if key[0] != index}
         self._slow.pop(index, None)
+        self._drop_gpm(index)
         handle = self._required("nvmlDeviceGetHandleByIndex", index)
         self._handles[index] = handle
         uuid = _text(self._required("nvmlDeviceGetUUID", handle))
@@ -452,6 +466,7 @@ class Nvml:
         )
         name = _text(self._required("nvmlDeviceGetName", handle))
         mig_uuids = self._read_mig(index, handle, errors)
+        gpm = self._read_gpm_support(index, handle, errors)
         static = self._read_functions(index, handle, errors, "static")
         links = self._read(
             index,
@@ -477,6 +492,7 @@ class Nvml:
             power_limit_watts=power_limit / 1000.0 if power_limit is not None else None,
             ecc_enabled=bool(ecc[0]) if ecc is not None else None,
             mig_uuids=mig_uuids,
+            gpm_supported=gpm,
             fields=Readings(static),
             nvlink_links=int(links) if links else 0,
         )
@@ -540,6 +556,8 @@ class Nvml:
         )
         values, links = self._read_field_values(info, handle, errors)
         values.update(self._read_functions(index, handle, errors, "sample"))
+        if info.gpm_supported:
+            values.update(self._read_gpm(info, handle, errors, now))
         clocks = {}
         for name, clock_type in CLOCKS:
             if name in _SLOW_CLOCKS:
@@ -583,6 +601,135 @@ class Nvml:
             slow_read_at=slow_at,
         )
         return GpuReading(gpu, processes, errors)
+
+    # -- GPU Performance Monitoring (core.gpm) ---------------------------------------------
+
+    def _read_gpm_support(self, index: int, handle: Any, errors: list[SampleError]) -> bool | None:
+        """Whether the GPU has GPM: False where the driver or the GPU says no (or lacks the
+        query), None when the query failed."""
+        failed_before = len(errors)
+        answer = self._read(
+            index, "gpm_support", errors, Call("nvmlGpmQueryDeviceSupport", (handle,))
+        )
+        if answer is None:
+            return None if len(errors) > failed_before else False
+        return bool(answer.isSupportedDevice)
+
+    def _read_gpm(
+        self, info: GpuInfo, handle: Any, errors: list[SampleError], now: float | None
+    ) -> dict[str, float]:
+        """The GPM readings between this sample and the GPU's previous one (two calls): none
+        at the first sample, while the counters are busy, or when a call failed."""
+        index = info.index
+        now = time.monotonic() if now is None else now
+        state = self._gpm.get(index) or self._start_gpm(index, errors)
+        if state is None:
+            return {}
+        if now < state.busy_until:
+            message = f"GPM counters busy; next try in {state.busy_until - now:.0f}s"
+            errors.append(SampleError("field", "InUse", index, "gpm", message))
+            return {}
+        failed_before = len(errors)
+        taken = self._read(
+            index,
+            "gpm",
+            errors,
+            Call("nvmlGpmSampleGet", (handle, state.samples[1]), gpu_fatal=_GPM_FATAL),
+        )
+        if taken is None:
+            self._gpm_failed(state, index, errors[failed_before:], now)
+            return {}
+        if state.answered():
+            log.info("GPU %d: the GPM counters answer again", index)
+        if not state.have_previous:  # nothing to compare with yet: no values, not zeros
+            state.swap()
+            return {}
+        request = state.request
+        request.sample1, request.sample2 = state.samples[0], state.samples[1]
+        state.swap()
+        answer = self._read(
+            index,
+            "gpm",
+            errors,
+            Call("nvmlGpmMetricsGet", (request,), gpu_fatal=_GPM_FATAL),
+        )
+        if answer is None:
+            self._gpm_failed(state, index, errors[failed_before:], now)
+            return {}
+        values, failed = metric_values(request, state.asked)
+        for key, code in failed.items():
+            error = error_name(self._lib.NVMLError(code))
+            if error in _UNSUPPORTED:
+                state.unsupported.add(key)
+                log.debug("GPU %d: GPM metric %s not supported", index, key)
+            else:
+                errors.append(SampleError("field", error, index, key, f"GPM: {error}"))
+        if state.unsupported & {r.key for r in state.asked}:
+            state.request, state.asked = metrics_request(
+                self._lib, [r for r in GPM_READINGS if r.key not in state.unsupported]
+            )
+        return values
+
+    def _start_gpm(self, index: int, errors: list[SampleError]) -> GpmState | None:
+        """A GPU's GPM state with its two samples; None when they cannot be had."""
+        if (index, "gpm") in self._unsupported:
+            return None
+        samples: list[Any] = []
+        for _ in range(2):
+            sample = self._read(index, "gpm_alloc", errors, Call("nvmlGpmSampleAlloc"))
+            if sample is None:
+                self._free_samples(samples)
+                return None
+            samples.append(sample)
+        try:
+            request, asked = metrics_request(self._lib, GPM_READINGS)
+        except AttributeError:  # an nvidia-ml-py without GPM's structures
+            self._free_samples(samples)
+            self._unsupported.add((index, "gpm"))
+            return None
+        state = self._gpm[index] = GpmState(samples, request, asked)
+        return state
+
+    def _gpm_failed(
+        self, state: GpmState, index: int, failures: list[SampleError], now: float
+    ) -> None:
+        """After a failed GPM call: busy counters wait out a backoff; other errors leave the
+        previous sample to compare with."""
+        if any(failure.error == "InUse" for failure in failures):
+            first = state.busy_retry == 0
+            wait = state.busy(now)
+            if first:
+                log.warning(
+                    "GPU %d: the GPM counters are busy (another profiler?); GPM metrics are "
+                    "absent, next try in %.0fs",
+                    index,
+                    wait,
+                )
+
+    def _drop_gpm(self, index: int) -> None:
+        state = self._gpm.pop(index, None)
+        if state is not None:
+            self._free_samples(state.samples)
+
+    def _free_samples(self, samples: list[Any]) -> None:
+        for sample in samples:
+            try:
+                self.call("nvmlGpmSampleFree", sample)
+            except Exception as exc:
+                log.debug("nvmlGpmSampleFree: %s", describe(exc))
+
+    def _free_gpm_samples(self) -> None:
+        """Free every GPM sample, under the NVML lock (held by the caller: shutdown)."""
+        fn = getattr(self._lib, "nvmlGpmSampleFree", None)
+        for state in self._gpm.values():
+            for sample in state.samples:
+                try:
+                    if fn is not None:
+                        self.calls += 1
+                        fn(sample)
+                except Exception as exc:
+                    log.debug("nvmlGpmSampleFree: %s", describe(exc))
+        self._gpm.clear()
 
     # -- readings declared in core.fields -----------------------------------------------------
 

@@ -143,6 +143,8 @@ class GpuInfo:
     ecc_enabled: bool | None = None
     #: UUIDs of the GPU's MIG devices, when MIG is enabled (``MIG-...``).
     mig_uuids: tuple[str, ...] = ()
+    #: Whether the GPU has GPU Performance Monitoring (None: the query failed).
+    gpm_supported: bool | None = None
     #: Readings of ``core.fields`` read once (cadence ``static``), by key, in base units.
     fields: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
     #: NVLink links the GPU has (0: none, or NVML cannot say).

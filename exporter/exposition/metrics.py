@@ -136,6 +136,11 @@ def _static(gpu: Gpu, attr: str) -> float | None:
     return getattr(gpu.info, attr) if gpu.info is not None else None
 
 
+def _gpm_supported(gpu: Gpu) -> float | None:
+    supported = gpu.info.gpm_supported if gpu.info is not None else None
+    return None if supported is None else float(supported)
+
+
 def _thresholds(gpu: Gpu) -> Iterable[tuple[str, float]]:
     return sorted(gpu.info.temperature_thresholds.items()) if gpu.info is not None else ()
 
@@ -227,6 +232,15 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
                 [*GPU_LABELS, "threshold"],
             ),
             _thresholds,
+        ),
+        _per_gpu(
+            live,
+            _gauge(
+                "gpu_gpm_supported",
+                "1 when the GPU has GPU Performance Monitoring (the gpu_*_active_ratio metrics), "
+                "0 when it does not.",
+            ),
+            _gpm_supported,
         ),
         _per_gpu(
             live,

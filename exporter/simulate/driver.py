@@ -25,7 +25,14 @@ from typing import Any, NoReturn
 import pynvml
 
 from exporter.core import fields as readings
-from exporter.core.fields import FIELD_READINGS, FUNCTION_READINGS, Function, Reading
+from exporter.core.fields import (
+    FIELD_READINGS,
+    FUNCTION_READINGS,
+    GPM_READINGS,
+    Function,
+    GpmMetric,
+    Reading,
+)
 from exporter.core.nvml import CLOCKS, TEMPERATURE_THRESHOLDS
 from exporter.simulate.processes import (
     DeviceHolders,
@@ -84,6 +91,10 @@ for _reading in FIELD_READINGS:
         _BY_FIELD_ID.update((fid, (_reading, link)) for link, fid in enumerate(_reading.link_ids))
     else:
         _BY_FIELD_ID[_reading.field_id(None) or 0] = (_reading, None)
+#: GPM metric id -> its reading.
+_GPM_BY_ID = {r.source.id: r for r in GPM_READINGS if isinstance(r.source, GpmMetric)}
+#: Points a GPM metric's value is averaged over between its two samples.
+_GPM_POINTS = 16
 #: The list tail of a function reading's answer after its items (utilization's sampling period).
 _ANSWER_TAIL = {
     "nvmlDeviceGetEncoderUtilization": (167_000,),
@@ -207,6 +218,9 @@ class SimulatedDriver:
             for i, gpu in enumerate(scenario.gpus)
         }
         self._xid_wakeup = threading.Condition()
+        #: GPM samples allocated, by address: [the sample, its GPU's index, scenario time]
+        #: (index and time None until ``nvmlGpmSampleGet`` takes it).
+        self._gpm_samples: dict[int, list[Any]] = {}
         #: (GPU, requested fields) -> how each entry is answered (see _field_plan).
         self._plans: dict[tuple[int, tuple[Any, ...]], list[Any]] = {}
         #: One pynvml device pointer per GPU: what an event names its GPU by (a ctypes handle,
@@ -581,6 +595,11 @@ class SimulatedDriver:
             "nvmlDeviceGetCurrentClocksEventReasons": reasons,
             "nvmlDeviceGetCurrentClocksThrottleReasons": reasons,
             "nvmlDeviceGetProcessUtilization": process_utilization,
+            "nvmlGpmQueryDeviceSupport": self._gpm_support,
+            "nvmlGpmSampleAlloc": self._gpm_alloc,
+            "nvmlGpmSampleFree": self._gpm_free,
+            "nvmlGpmSampleGet": self._gpm_sample_get,
+            "nvmlGpmMetricsGet": self._gpm_metrics_get,
         }
         for reading in FUNCTION_READINGS:
             assert isinstance(reading.source, Function)
@@ -730,6 +749,73 @@ class SimulatedDriver:
         data.gpuInstanceId = none if xid.gpu_instance is None else xid.gpu_instance
         data.computeInstanceId = none if xid.compute_instance is None else xid.compute_instance
         return data
+
+    # -- GPU Performance Monitoring ----------------------------------------------------------
+
+    def _gpm_support(self, h: _Handle) -> Any:
+        out = pynvml.c_nvmlGpmSupport_t()
+        out.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        out.isSupportedDevice = int(h.gpu.gpm and not h.mig)
+        return out
+
+    def _gpm_alloc(self) -> Any:
+        sample = pynvml.struct_c_nvmlGpmSample_t()
+        self._gpm_samples[ctypes.addressof(sample)] = [sample, None, None]
+        return ctypes.pointer(sample)
+
+    def _gpm_sample(self, pointer: Any) -> list[Any]:
+        """What an allocated sample holds (InvalidArgument for any other pointer)."""
+        held = self._gpm_samples.get(ctypes.cast(pointer, ctypes.c_void_p).value or 0)
+        if held is None:
+            _raise("InvalidArgument")
+        return held
+
+    def _gpm_free(self, pointer: Any) -> None:
+        self._gpm_sample(pointer)
+        del self._gpm_samples[ctypes.cast(pointer, ctypes.c_void_p).value or 0]
+
+    def _gpm_sample_get(self, h: _Handle, pointer: Any) -> Any:
+        if not h.gpu.gpm:
+            _raise("NotSupported")
+        held = self._gpm_sample(pointer)
+        held[1], held[2] = h.index, self.now()
+        return pointer
+
+    def _gpm_metrics_get(self, request: Any) -> Any:
+        """``nvmlGpmMetricsGet``: pynvml's own structure, filled as the driver fills it: each
+        asked metric's mean between the two samples, or its own return code."""
+        if request.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+            _raise("ArgumentVersionMismatch")
+        count = int(request.numMetrics)
+        first, second = self._gpm_sample(request.sample1), self._gpm_sample(request.sample2)
+        if count > len(request.metrics) or first[1] is None or first[1] != second[1]:
+            _raise("InvalidArgument")
+        index, t1, t2 = second[1], first[2], second[2]
+        if t2 <= t1:
+            _raise("InvalidArgument")
+        gpu = self.scenario.gpus[index]
+        now = self.now()
+        if not gpu.present.holds(now):
+            _raise("GpuIsLost")
+        self._inject(gpu.errors, "gpm", now)
+        for slot in request.metrics[:count]:
+            reading = _GPM_BY_ID.get(int(slot.metricId))
+            code = (
+                self._entry_error(gpu, reading.key, now)
+                if reading is not None
+                else int(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            )
+            slot.nvmlReturn = code
+            slot.value = 0.0 if code or reading is None else self._gpm_mean(gpu, reading, t1, t2)
+        return request
+
+    def _gpm_mean(self, gpu: SimGpu, reading: Reading, t1: float, t2: float) -> float:
+        """A GPM metric's mean from ``t1`` to ``t2`` (scenario time), in NVML's unit."""
+        value = gpu.fields.get(reading.key)
+        if value is None:
+            return reading.simulated / reading.scale
+        points = [t1 + (t2 - t1) * k / _GPM_POINTS for k in range(_GPM_POINTS + 1)]
+        return sum(value.at(t) for t in points) / len(points) / reading.scale
 
     def _live_processes(self, h: _Handle, kind: str | None = None) -> Iterator[tuple[int, float]]:
         t = self.now()

@@ -19,7 +19,7 @@ import pynvml
 from exporter.config.validate import boolean, number, ratio, whole
 from exporter.config.yamlconf import Section, load_document, parse_document
 from exporter.core.fields import BY_KEY as READINGS
-from exporter.core.fields import FIELD_READINGS, Function
+from exporter.core.fields import FIELD_READINGS, Function, GpmMetric
 from exporter.core.snapshot import CLOCK_EVENT_REASONS
 from exporter.core.units import parse_duration, parse_size
 
@@ -54,6 +54,8 @@ CALL_FIELDS: dict[str, tuple[str, ...]] = {
     #: the one call of every field value: an error here fails them all
     "field_values": ("nvmlDeviceGetFieldValues",),
     "xid_events": ("nvmlDeviceRegisterEvents",),
+    #: GPU Performance Monitoring's two calls of each sample: ``InUse`` is busy counters
+    "gpm": ("nvmlGpmSampleGet", "nvmlGpmMetricsGet"),
 }
 
 
@@ -61,6 +63,8 @@ def _reading_functions(key: str) -> tuple[str, ...]:
     reading = READINGS[key]
     if isinstance(reading.source, Function):
         return (reading.source.name,)
+    if isinstance(reading.source, GpmMetric):
+        return ("nvmlGpmMetricsGet",)
     fallback = (reading.fallback.name,) if reading.fallback else ()
     return ("nvmlDeviceGetFieldValues", *fallback)
 
@@ -280,6 +284,8 @@ class SimGpu:
     #: Per-link readings of single links: link -> key -> value.
     link_fields: dict[int, dict[str, Value]] = field(default_factory=dict)
     xids: tuple[SimXid, ...] = ()
+    #: It has GPU Performance Monitoring (its metrics are readings of ``fields``).
+    gpm: bool = False
 
 
 @dataclass(frozen=True)
@@ -475,6 +481,7 @@ def _gpu(section: Section, index: int) -> SimGpu:
         nvlink_down=down,
         link_fields=link_fields,
         xids=tuple(_xid(item) for item in section.sections("xids")),
+        gpm=section.get("gpm", boolean, False),
     )
     if gpu.memory_reserved >= gpu.memory_total:
         raise section.error("memory_reserved", "must be less than memory_total")
