@@ -358,7 +358,7 @@ def test_a_churning_spawn_is_a_new_child_every_period_and_the_old_one_is_reaped(
     (second,) = _listed(driver, handle)
     assert second != first
     assert _state(first) is None  # killed and reaped: not even a zombie
-    assert _state(second) in ("R", "S")
+    assert _state(second) in ("R", "S", "D")  # alive (D: still paging its program in)
     assert [c.pid for c in driver.processes.children] == [second]  # no Popen kept for the old one
     driver.stop()
     assert _state(second) is None

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from exporter.core.procfs import ProcFs, python_script
 from exporter.core.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, LinkReadings, Snapshot
 from exporter.status import format_status
 from tests.agent import exporter_cli
+from tests.helpers import until
 
 
 @pytest.mark.parametrize(
@@ -66,6 +68,8 @@ def test_a_python_job_is_named_by_its_script_in_the_snapshot(tmp_path, simulated
     script.write_text("import time\ntime.sleep(60)\n")
     job = subprocess.Popen([sys.executable, str(script), "--secret", "s3cr3t"])
     try:
+        # until it has exec'd: before, its command line is still this process's
+        until(lambda: str(script).encode() in Path(f"/proc/{job.pid}/cmdline").read_bytes())
         simulated(f"gpus:\n  - processes: [{{pid: {job.pid}, memory: 1GiB}}]\n")
         (found,) = collector.sample().gpus[0].processes
         assert found.script == "train.py" and found.cmdline == ()  # no argument leaks
