@@ -12,14 +12,14 @@ from exporter.core.units import format_bytes
 from exporter.core.xid import KEPT_PER_GPU
 
 _GPU_ROW = "{:>3}  {:<26} {:>5} {:>5} {:>21} {:>9} {:>13}  {:<14} {}"
-_PROCESS_ROW = "{:>3}  {:>8} {:<12} {:<8} {:>9}  {}"
+_PROCESS_ROW = "{:>3}  {:>8} {:<12} {:<8} {:>9} {:>4}  {}"
 _HEADER = _GPU_ROW.format(
     "GPU", "NAME", "TEMP", "UTIL", "MEMORY USED / TOTAL", "FREE", "POWER", "THROTTLE", "HEALTH"
 ).rstrip()
 _ACTIONS = {number: name for number, name, _ in RECOVERY_ACTIONS}
 #: XIDs of the last this many seconds count in the HEALTH column.
 _XID_WINDOW = 3600.0
-_PROCESS_HEADER = _PROCESS_ROW.format("", "PID", "USER", "TYPE", "MEMORY", "COMMAND")
+_PROCESS_HEADER = _PROCESS_ROW.format("", "PID", "USER", "TYPE", "MEMORY", "SM", "COMMAND")
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
@@ -115,7 +115,9 @@ def _process_line(proc: GpuProcess) -> str:
         command = command[:57] + "..."
     user = (proc.user or "?")[:12]
     memory = format_bytes(proc.used_memory_bytes)
-    return _PROCESS_ROW.format("", proc.pid, user, proc.type, memory, command)
+    sm = proc.sm_utilization_ratio
+    share = _fmt(sm * 100 if sm is not None else None, ".0f", "%")  # of the SMs' time
+    return _PROCESS_ROW.format("", proc.pid, user, proc.type, memory, share, command)
 
 
 def format_status(snapshot: Snapshot) -> str:

@@ -63,18 +63,20 @@ def test_status_simulate_table() -> None:
         assert f"/ {total}" in row
         assert "DOWN" not in row
 
-    process_rows = [line.split(None, 4) for line in lines if line.startswith(" " * 6)]
+    process_rows = [line.split(None, 5) for line in lines if line.startswith(" " * 6)]
     process_rows = [row for row in process_rows if row[0].isdigit()]
     assert len(process_rows) == 4, result.stdout
     assert [row[2] for row in process_rows] == ["compute", "compute", "graphics", "compute"]
     pids = [int(row[0]) for row in process_rows]
     assert len(set(pids)) == 4
     assert all(pid > 1 for pid in pids)
+    # each one's share of the SMs' time at the scenario's start (NVML's whole buffer)
+    assert [row[4] for row in process_rows] == ["80%", "30%", "25%", "0%"]
     for row in process_rows:
         # Read from procfs: the real user and the real command line of a spawned process.
         assert row[1] == my_user()[:12]
-        assert "not visible" not in row[4]
-        assert row[4].startswith(f"{sys.executable} -c import time"[:40]), row
+        assert "not visible" not in row[5]
+        assert row[5].startswith(f"{sys.executable} -c import time"[:40]), row
 
 
 def test_status_simulate_json() -> None:

@@ -152,6 +152,33 @@ def test_process_sm_utilization_has_the_process_labels_and_is_absent_when_unknow
     assert {s.labels["gpu"] for s in memory} == {"0", "1"}
 
 
+def test_memory_encoder_and_decoder_utilization_per_process(simulated, collector):
+    simulated(
+        """
+        gpus:
+          - processes:
+              - pid: self
+                memory: 1GiB
+                sm_utilization: 0.5
+                memory_utilization: 0.2
+                encoder_utilization: 0.3
+                decoder_utilization: 0.04
+              - {pid: parent, memory: 1GiB}
+          - unsupported: [process_utilization]
+            processes: [{pid: self, memory: 1GiB, decoder_utilization: 0.5}]
+        """
+    )
+    found = samples(render(collector.sample(), SelfStats(5)))
+    me, parent = str(os.getpid()), str(os.getppid())
+    for name, mine in (("memory", 0.2), ("encoder", 0.3), ("decoder", 0.04)):
+        metric = f"gpu_process_{name}_utilization_ratio"
+        assert one(found, metric, gpu="0", pid=me) == mine
+        assert one(found, metric, gpu="0", pid=parent) == 0  # no sample: idle
+        assert {s.labels["gpu"] for s in found[metric]} == {"0"}  # GPU 1: unknown, absent
+        labels = {tuple(sorted(s.labels)) for s in found[metric]}
+        assert labels == {tuple(sorted(found["gpu_process_memory_used_bytes"][0].labels))}
+
+
 def test_the_text_is_what_prometheus_client_writes(simulated, collector):
     """exposition/text.py writes the text format itself (for speed): byte for byte
     prometheus_client's, on every family the agent renders, odd label values included."""

@@ -8,7 +8,13 @@ import pynvml
 import pytest
 
 from exporter.core.fields import BY_KEY, NVLINK_LINK_COUNT
-from exporter.core.nvml import GpuFailed, Nvml, NvmlUnavailable, sm_peaks
+from exporter.core.nvml import (
+    GpuFailed,
+    Nvml,
+    NvmlUnavailable,
+    ProcessUtilization,
+    utilization_peaks,
+)
 
 ONE_GPU = """
 gpus:
@@ -240,6 +246,14 @@ def test_mig_devices_are_read_with_the_static_facts(simulated):
 
 # -- per-process SM utilization ------------------------------------------------------------------
 
+#: The per-process utilization call the agent uses with this nvidia-ml-py: the R550 one, where
+#: pynvml has it (13), else the older one (12.535).
+UTILIZATION_CALL = (
+    "nvmlDeviceGetProcessesUtilizationInfo"
+    if hasattr(pynvml, "nvmlDeviceGetProcessesUtilizationInfo")
+    else "nvmlDeviceGetProcessUtilization"
+)
+
 BUSY_AND_IDLE = """
 gpus:
   - processes:
@@ -249,7 +263,7 @@ gpus:
 
 
 def _utilization(reading) -> dict[int, float | None]:
-    return {p.pid: p.sm_utilization_ratio for p in reading.processes}
+    return {p.pid: p.utilization.sm for p in reading.processes}
 
 
 def test_process_utilization_is_the_busiest_moment_per_process(simulated, clock):
@@ -262,7 +276,7 @@ def test_process_utilization_is_the_busiest_moment_per_process(simulated, clock)
     assert _utilization(first) == {os.getpid(): 0.5, os.getppid(): 0.0}  # t=0: sin(0)
     assert _utilization(second) == {os.getpid(): 0.7, os.getppid(): 0.0}
     assert first.errors == second.errors == []
-    assert driver.calls["nvmlDeviceGetProcessUtilization"] == 2
+    assert driver.calls[UTILIZATION_CALL] == 2
 
 
 def test_no_busy_process_is_not_found_and_reads_zero_for_all(simulated, clock):
@@ -275,7 +289,7 @@ def test_no_busy_process_is_not_found_and_reads_zero_for_all(simulated, clock):
     for found in (reading, again):
         assert _utilization(found) == {os.getpid(): 0.0, os.getppid(): 0.0}
         assert found.errors == []
-    assert driver.calls["nvmlDeviceGetProcessUtilization"] == 2  # asked each sample all the same
+    assert driver.calls[UTILIZATION_CALL] == 2  # asked each sample all the same
 
 
 OTHER_NAMESPACE = """
@@ -336,7 +350,11 @@ def test_a_timestamp_ahead_of_the_clock_reads_the_whole_buffer_again(simulated, 
     ("driver_line", "gpu_line"),
     [
         ("", "    unsupported: [process_utilization]\n"),
-        ("driver: {missing_functions: [nvmlDeviceGetProcessUtilization]}\n", ""),
+        (
+            "driver: {missing_functions: [nvmlDeviceGetProcessesUtilizationInfo, "
+            "nvmlDeviceGetProcessUtilization]}\n",
+            "",
+        ),
     ],
     ids=["not-supported", "driver-lacks-it"],
 )
@@ -349,7 +367,9 @@ def test_unsupported_process_utilization_is_none_and_not_retried(simulated, driv
         assert set(_utilization(reading).values()) == {None}
         assert reading.errors == []
         assert reading.gpu.memory_used_bytes is not None
-    assert driver.calls["nvmlDeviceGetProcessUtilization"] == 1
+    if gpu_line:  # the GPU says no, once
+        assert driver.calls[UTILIZATION_CALL] == 1
+    assert driver.calls["nvmlDeviceGetProcessUtilization"] <= 1
 
 
 @pytest.mark.parametrize("error", ["Timeout", "Unknown"])
@@ -391,26 +411,64 @@ def test_a_gpu_without_processes_is_not_asked_for_their_utilization(simulated):
     info, reading = _read(nvml)
     nvml.read_gpu(info)
     assert reading.processes == []
-    assert driver.calls["nvmlDeviceGetProcessUtilization"] == 0
+    assert driver.calls[UTILIZATION_CALL] == driver.calls["nvmlDeviceGetProcessUtilization"] == 0
 
 
-def _sample(pid: int, stamp: int, sm: int) -> pynvml.c_nvmlProcessUtilizationSample_t:
+ALL_FOUR = """
+gpus:
+  - processes:
+      - pid: self
+        sm_utilization: 0.4
+        memory_utilization: 0.25
+        encoder_utilization: 0.1
+        decoder_utilization: 0.6
+      - {pid: parent}
+"""
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["processes-utilization-info", "older-call"])
+def test_memory_encoder_and_decoder_utilization_come_with_the_sms(simulated, older):
+    lacks = "driver: {missing_functions: [nvmlDeviceGetProcessesUtilizationInfo]}\n"
+    driver = simulated((lacks if older else "") + ALL_FOUR)
+    nvml = Nvml(library=driver, wall=driver.wall)
+    nvml.init()
+    _, reading = _read(nvml)
+    found = {p.pid: p.utilization for p in reading.processes}
+    assert found[os.getpid()] == ProcessUtilization(0.4, 0.25, 0.1, 0.6)
+    assert found[os.getppid()] == ProcessUtilization(0.0, 0.0, 0.0, 0.0)  # no sample: idle
+    nvml.read_gpu(nvml.read_info(0))
+    new, old = "nvmlDeviceGetProcessesUtilizationInfo", "nvmlDeviceGetProcessUtilization"
+    if older or not hasattr(pynvml, new):  # asked once (FunctionNotFound), then never again
+        assert (driver.calls[new], driver.calls[old]) == (int(hasattr(pynvml, new)), 2)
+    else:
+        assert (driver.calls[new], driver.calls[old]) == (2, 0)
+
+
+def _sample(
+    pid: int, stamp: int, sm: int, mem: int = 0, enc: int = 0, dec: int = 0
+) -> pynvml.c_nvmlProcessUtilizationSample_t:
     sample = pynvml.c_nvmlProcessUtilizationSample_t()
     sample.pid, sample.timeStamp, sample.smUtil = pid, stamp, sm
+    sample.memUtil, sample.encUtil, sample.decUtil = mem, enc, dec
     return sample
 
 
-def test_sm_peaks_keeps_the_newest_valid_samples_and_drops_garbage():
+def test_utilization_peaks_keep_the_newest_valid_samples_and_drop_garbage():
     samples = [
-        _sample(1, 150, 20),
-        _sample(1, 160, 70),
-        _sample(1, 90, 100),  # older than asked for
+        _sample(1, 150, 20, mem=30, enc=1),
+        _sample(1, 160, 70, mem=10, dec=9),
+        _sample(1, 90, 100, mem=100),  # older than asked for
         _sample(2, 170, 4294967295),  # garbage: unknown, not busy and not idle
         _sample(3, 140, 101),
-        _sample(3, 130, 5),
+        _sample(3, 130, 5, enc=200),  # one value of garbage makes the sample garbage
+        _sample(3, 120, 6),
         _sample(0, 0, 0),  # an unwritten slot
     ]
-    peaks, newest = sm_peaks(samples, since=100)
-    assert peaks == {1: 0.7, 2: None, 3: 0.05}
+    peaks, newest = utilization_peaks(samples, since=100)
+    assert peaks == {
+        1: ProcessUtilization(0.7, 0.3, 0.01, 0.09),
+        2: ProcessUtilization(),
+        3: ProcessUtilization(0.06, 0.0, 0.0, 0.0),
+    }
     assert newest == 160  # garbage timestamps are not trusted
-    assert sm_peaks([], since=100) == ({}, 100)
+    assert utilization_peaks([], since=100) == ({}, 100)

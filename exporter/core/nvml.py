@@ -138,14 +138,30 @@ class Call(NamedTuple):
     gpu_fatal: frozenset[str] = _GPU_FATAL
 
 
+class ProcessUtilization(NamedTuple):
+    """A process's highest utilization (0-1) of the SMs, the memory interface, the encoder
+    and the decoder over one period, as NVML samples it; None: unknown."""
+
+    sm: float | None = None
+    memory: float | None = None
+    encoder: float | None = None
+    decoder: float | None = None
+
+
+#: What a listed process without a sample had: NVML samples only processes with "some
+#: non-zero utilization" in the period.
+IDLE = ProcessUtilization(0.0, 0.0, 0.0, 0.0)
+UNKNOWN_UTILIZATION = ProcessUtilization()
+
+
 class NvmlProcess(NamedTuple):
     """A process as NVML lists it on one GPU."""
 
     pid: int
     used_memory_bytes: int | None
     type: str
-    #: Highest SM utilization (0-1) since the GPU's previous sample; None when unknown.
-    sm_utilization_ratio: float | None = None
+    #: Its utilization since the GPU's previous sample (each None when unknown).
+    utilization: ProcessUtilization = UNKNOWN_UTILIZATION
 
 
 #: One entry of a GPU's field-value call: the reading, its link (None: the GPU's), and what
@@ -1002,10 +1018,13 @@ class Nvml:
     def _with_utilization(
         self, info: GpuInfo, handle: Any, processes: list[NvmlProcess], errors: list[SampleError]
     ) -> list[NvmlProcess]:
-        """``processes`` with their SM utilization since this GPU's previous read (one call).
+        """``processes`` with their utilization since this GPU's previous read (one call:
+        ``nvmlDeviceGetProcessesUtilizationInfo``, or ``nvmlDeviceGetProcessUtilization`` on
+        drivers without it).
 
-        NVML answers ``NotFound`` when no process was busy since ``since``: each process then
-        gets 0, as does a process without a sample. Unsupported, failed or invalid: None.
+        NVML samples only the processes that had some non-zero utilization in the period, and
+        answers ``NotFound`` when none had: a listed process without a sample reads 0 (idle).
+        Unsupported, failed or invalid: None.
 
         Outside the host's PID namespace (a container, a pod's sidecar), drivers list processes
         by their PIDs in the caller's namespace but may stamp utilization samples with host
@@ -1014,25 +1033,24 @@ class Nvml:
         which would read as idle.
         """
         since = self._utilization_since(info)
-        samples: Sequence[Any] | None = self._read(
-            info.index,
-            "process_utilization",
-            errors,
-            Call(
+        calls = [
+            Call(function, (handle, since), not_found=(), gpu_fatal=_PROCESS_UTILIZATION_FATAL)
+            for function in (
+                "nvmlDeviceGetProcessesUtilizationInfo",
                 "nvmlDeviceGetProcessUtilization",
-                (handle, since),
-                not_found=(),
-                gpu_fatal=_PROCESS_UTILIZATION_FATAL,
-            ),
+            )
+        ]
+        samples: Sequence[Any] | None = self._read(
+            info.index, "process_utilization", errors, *calls
         )
         if samples is None:
             return processes
-        peaks, newest = sm_peaks(samples, since)
+        peaks, newest = utilization_peaks(samples, since)
         self._utilization_seen[info.uuid] = newest
-        absent: float | None = 0.0
+        absent = IDLE
         if not self._initial_pid_namespace and set(peaks) - {p.pid for p in processes}:
-            absent = None
-        return [p._replace(sm_utilization_ratio=peaks.get(p.pid, absent)) for p in processes]
+            absent = UNKNOWN_UTILIZATION
+        return [p._replace(utilization=peaks.get(p.pid, absent)) for p in processes]
 
     def _utilization_since(self, info: GpuInfo) -> int:
         """Where the GPU's next utilization read starts (µs): after the newest sample seen; 0
@@ -1081,23 +1099,29 @@ def _item(answer: Any, item: int | None) -> float:
     return float(answer[item] if item is not None else answer)
 
 
-def sm_peaks(samples: Sequence[Any], since: int) -> tuple[dict[int, float | None], int]:
-    """Per PID, the highest SM utilization (0-1) of ``samples`` newer than ``since``, and the
-    newest timestamp among them (``since`` when none).
+def utilization_peaks(
+    samples: Sequence[Any], since: int
+) -> tuple[dict[int, ProcessUtilization], int]:
+    """Per PID, the highest utilization (0-1) of ``samples`` newer than ``since`` of the SMs,
+    the memory, the encoder and the decoder, and the newest timestamp among them (``since``
+    when none).
 
-    Older samples (and unwritten, zeroed slots) are left out. ``smUtil`` over 100 is garbage
-    that some drivers report: left out too, and a PID with nothing else is None (unknown).
+    Older samples (and unwritten, zeroed slots) are left out. A sample with a value over 100
+    is garbage that some drivers report: left out too (its time stamp is not trusted either),
+    and a PID with nothing else is None (unknown).
     """
-    peaks: dict[int, float | None] = {}
+    peaks: dict[int, list[float | None]] = {}
     newest = since
     for sample in samples:
-        stamp, pid, sm = int(sample.timeStamp), int(sample.pid), int(sample.smUtil)
+        stamp, pid = int(sample.timeStamp), int(sample.pid)
         if stamp <= since:
             continue
-        if sm > 100:
-            peaks.setdefault(pid, None)
+        known = peaks.setdefault(pid, [None, None, None, None])
+        raw = (int(sample.smUtil), int(sample.memUtil), int(sample.encUtil), int(sample.decUtil))
+        if any(value > 100 for value in raw):  # garbage: its values and its time stamp
             continue
         newest = max(newest, stamp)
-        previous = peaks.get(pid)
-        peaks[pid] = sm / 100.0 if previous is None else max(previous, sm / 100.0)
-    return peaks, newest
+        for slot, value in enumerate(raw):
+            previous = known[slot]
+            known[slot] = value / 100 if previous is None else max(previous, value / 100)
+    return {pid: ProcessUtilization(*values) for pid, values in peaks.items()}, newest

@@ -175,6 +175,10 @@ class GpuProcess:
     #: Highest SM utilization (0-1) NVML reported for the process on this GPU since the GPU's
     #: previous sample; 0.0 when none was reported (idle); None when unknown.
     sm_utilization_ratio: float | None = None
+    #: The same for the memory interface, the video encoder and the video decoder.
+    memory_utilization_ratio: float | None = None
+    encoder_utilization_ratio: float | None = None
+    decoder_utilization_ratio: float | None = None
     #: Seconds the agent has seen no SM activity from the process on this GPU: 0 while active,
     #: counted from the first sample that saw it idle; None when its utilization is unknown.
     gpu_idle_seconds: float | None = None

@@ -301,7 +301,28 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
             ),
             lambda p: p.sm_utilization_ratio,
         ),
+        *(
+            _per_process(
+                live,
+                _gauge(
+                    f"gpu_process_{name}_utilization_ratio",
+                    f"Highest {what} utilization of one process on one GPU since the previous "
+                    "sample (0-1).",
+                    PROCESS_LABELS,
+                ),
+                value,
+            )
+            for name, what, value in _PROCESS_UTILIZATIONS
+        ),
     ]
+
+
+#: The per-process utilizations beside the SMs': (metric's word, what, its value).
+_PROCESS_UTILIZATIONS: tuple[tuple[str, str, Callable[[GpuProcess], float | None]], ...] = (
+    ("memory", "memory (frame buffer) bandwidth", lambda p: p.memory_utilization_ratio),
+    ("encoder", "video encoder", lambda p: p.encoder_utilization_ratio),
+    ("decoder", "video decoder", lambda p: p.decoder_utilization_ratio),
+)
 
 
 def reading_families(gpus: list[Gpu]) -> list[Rows]:

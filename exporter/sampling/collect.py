@@ -15,7 +15,14 @@ from dataclasses import replace
 
 from exporter.core.activity import IdleTimes
 from exporter.core.locks import UNKNOWN_HOLDER, LockError, held_locks, provision
-from exporter.core.nvml import GpuFailed, Nvml, NvmlProcess, NvmlUnavailable
+from exporter.core.nvml import (
+    UNKNOWN_UTILIZATION,
+    GpuFailed,
+    Nvml,
+    NvmlProcess,
+    NvmlUnavailable,
+    ProcessUtilization,
+)
 from exporter.core.procfs import ProcessInfo, ProcFs
 from exporter.core.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, SampleError, Snapshot
 from exporter.core.xid import XidLog
@@ -293,13 +300,18 @@ class Collector:
                 merged[key] = merged[key] + proc.used_memory_bytes  # type: ignore[operator]
             elif key not in merged:
                 merged[key] = proc.used_memory_bytes
-        utilization = {proc.pid: proc.sm_utilization_ratio for proc in listed}  # one per pid
+        utilization = {proc.pid: proc.utilization for proc in listed}  # one per pid
         out = []
         for (pid, kind), used in merged.items():
             if pid not in seen:
                 seen[pid] = self.procfs.process(pid)
             process = to_gpu_process(
-                pid, kind, used, seen[pid], self.expose_cmdline, utilization.get(pid)
+                pid,
+                kind,
+                used,
+                seen[pid],
+                self.expose_cmdline,
+                utilization.get(pid, UNKNOWN_UTILIZATION),
             )
             known = seen[pid]
             start = known.start_ticks if known is not None else 0
@@ -314,23 +326,24 @@ def to_gpu_process(
     used: int | None,
     info: ProcessInfo | None,
     cmdline: bool = False,
-    sm_utilization: float | None = None,
+    utilization: ProcessUtilization = UNKNOWN_UTILIZATION,
 ) -> GpuProcess:
-    """A Snapshot process from NVML's view (memory, SM utilization) and procfs' (None: not
-    visible under the root); its command line only when ``cmdline``."""
-    if info is None:
-        return GpuProcess(
-            pid=pid,
-            type=kind,
-            used_memory_bytes=used,
-            visible=False,
-            sm_utilization_ratio=sm_utilization,
-        )
-    return GpuProcess(
+    """A Snapshot process from NVML's view (memory, utilization) and procfs' (None: not visible
+    under the root); its command line only when ``cmdline``."""
+    process = GpuProcess(
         pid=pid,
         type=kind,
         used_memory_bytes=used,
-        visible=True,
+        visible=info is not None,
+        sm_utilization_ratio=utilization.sm,
+        memory_utilization_ratio=utilization.memory,
+        encoder_utilization_ratio=utilization.encoder,
+        decoder_utilization_ratio=utilization.decoder,
+    )
+    if info is None:
+        return process
+    return replace(
+        process,
         name=info.name,
         user=info.user,
         uid=info.uid,
@@ -343,5 +356,4 @@ def to_gpu_process(
         container_id=info.container_id,
         pod_uid=info.pod_uid,
         script=info.script,
-        sm_utilization_ratio=sm_utilization,
     )

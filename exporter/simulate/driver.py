@@ -549,11 +549,14 @@ class SimulatedDriver:
 
             return listed
 
-        def process_utilization(h: _Handle, since: int) -> list[Any]:
-            samples = self._utilization_samples(h, int(since))
-            if not samples:
-                _raise("NotFound")  # as the driver: no process busy since ``since``
-            return samples
+        def process_utilization(kind: Any) -> Callable[[_Handle, int], list[Any]]:
+            def answer(h: _Handle, since: int) -> list[Any]:
+                samples = self._utilization_samples(h, int(since), kind)
+                if not samples:
+                    _raise("NotFound")  # as the driver: no process busy since ``since``
+                return samples
+
+            return answer
 
         fakes: dict[str, Callable[..., Any]] = {
             "nvmlInit": init,
@@ -594,8 +597,20 @@ class SimulatedDriver:
             "nvmlDeviceGetPerformanceState": lambda h: h.gpu.performance_state,
             "nvmlDeviceGetCurrentClocksEventReasons": reasons,
             "nvmlDeviceGetCurrentClocksThrottleReasons": reasons,
-            "nvmlDeviceGetProcessUtilization": process_utilization,
+            "nvmlDeviceGetProcessUtilization": process_utilization(
+                pynvml.c_nvmlProcessUtilizationSample_t
+            ),
             "nvmlGpmQueryDeviceSupport": self._gpm_support,
+            # R550 and newer; nvidia-ml-py 12.535 has neither the function nor its structure
+            **(
+                {
+                    "nvmlDeviceGetProcessesUtilizationInfo": process_utilization(
+                        pynvml.c_nvmlProcessUtilizationInfo_v1_t
+                    )
+                }
+                if hasattr(pynvml, "c_nvmlProcessUtilizationInfo_v1_t")
+                else {}
+            ),
             "nvmlGpmSampleAlloc": self._gpm_alloc,
             "nvmlGpmSampleFree": self._gpm_free,
             "nvmlGpmSampleGet": self._gpm_sample_get,
@@ -846,22 +861,33 @@ class SimulatedDriver:
         ours = self.processes.started() | set(self.processes.pids.values())
         return self._holders.of(h.gpu.minor_number, ours)
 
-    def _utilization_samples(self, h: _Handle, since: int) -> list[Any]:
-        """What ``nvmlDeviceGetProcessUtilization(h, since)`` answers: a sample for each listed
-        process that was busy at one of the driver's kept sampling moments stamped after
-        ``since``, with its highest SM percent there, stamped with its last busy moment."""
+    def _utilization_samples(self, h: _Handle, since: int, kind: Any) -> list[Any]:
+        """What ``nvmlDeviceGetProcessUtilization(h, since)`` (``kind``: its structure) or
+        ``nvmlDeviceGetProcessesUtilizationInfo`` answers: a sample for each listed process
+        that was busy at one of the driver's kept sampling moments stamped after ``since``,
+        with its highest percents there, stamped with its last busy moment."""
         moments = self._utilization_moments(since)
-        busiest: dict[int, tuple[int, float]] = {}  # pid -> (percent, last busy moment)
+        busiest: dict[int, tuple[list[int], float]] = {}  # pid -> (percents, last busy)
         for pid, proc in self._live(h):  # a PID in both lists is one process to the driver
+            values = (
+                proc.sm_utilization,
+                proc.memory_utilization,
+                proc.encoder_utilization,
+                proc.decoder_utilization,
+            )
             for m in moments:
-                sm = _percent(proc.sm_utilization.at(m)) if proc.window.holds(m) else 0
-                if sm > 0:
-                    top, last = busiest.get(pid, (0, m))
-                    busiest[pid] = (max(top, sm), max(last, m))
+                if not proc.window.holds(m):
+                    continue
+                percents = [_percent(value.at(m)) for value in values]
+                if any(percents):
+                    top, last = busiest.get(pid, ([0, 0, 0, 0], m))
+                    top = [max(a, b) for a, b in zip(top, percents, strict=True)]
+                    busiest[pid] = (top, max(last, m))
         samples = []
-        for pid, (sm, last) in busiest.items():
-            sample = pynvml.c_nvmlProcessUtilizationSample_t()
-            sample.pid, sample.smUtil = pid + self.scenario.utilization_pid_offset, sm
+        for pid, (top, last) in busiest.items():
+            sample = kind()
+            sample.pid = pid + self.scenario.utilization_pid_offset
+            sample.smUtil, sample.memUtil, sample.encUtil, sample.decUtil = top
             sample.timeStamp = self._epoch_us + round(last * 1e6)
             samples.append(sample)
         return samples

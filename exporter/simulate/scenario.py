@@ -50,7 +50,10 @@ CALL_FIELDS: dict[str, tuple[str, ...]] = {
         for kind in ("GetCompute", "GetGraphics")
         for version in ("", "_v2", "_v3")
     ),
-    "process_utilization": ("nvmlDeviceGetProcessUtilization",),
+    "process_utilization": (
+        "nvmlDeviceGetProcessesUtilizationInfo",
+        "nvmlDeviceGetProcessUtilization",
+    ),
     #: the one call of every field value: an error here fails them all
     "field_values": ("nvmlDeviceGetFieldValues",),
     "xid_events": ("nvmlDeviceRegisterEvents",),
@@ -232,6 +235,9 @@ class SimProcess:
     orphan_after: float = 2.0  # how long that leader lives, seconds
     churn: float = 0.0  # > 0: a new process (a new PID) every ``churn`` seconds
     sm_utilization: Value = Value(0.0)  # its share of the SMs' time, 0-1
+    memory_utilization: Value = Value(0.0)  # of the memory interface's, 0-1
+    encoder_utilization: Value = Value(0.0)  # of the video encoder's, 0-1
+    decoder_utilization: Value = Value(0.0)  # of the video decoder's, 0-1
     #: Stands for every process outside the simulation that holds the GPU's device stand-in
     #: open (``pid`` is None and ``spawn`` empty), as a driver lists any CUDA process.
     holders: bool = False
@@ -379,6 +385,9 @@ def _process(section: Section) -> SimProcess:
         orphan_after=section.get("orphan_after", parse_duration, 2.0),
         churn=section.get("churn", parse_duration, 0.0),
         sm_utilization=section.get("sm_utilization", _RATIO_VALUE, Value(0.0)),
+        memory_utilization=section.get("memory_utilization", _RATIO_VALUE, Value(0.0)),
+        encoder_utilization=section.get("encoder_utilization", _RATIO_VALUE, Value(0.0)),
+        decoder_utilization=section.get("decoder_utilization", _RATIO_VALUE, Value(0.0)),
     )
     if process.holders:
         for key in ("pid", "spawn", "holds_device", "orphan", "orphan_after", "churn"):
