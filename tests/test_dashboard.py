@@ -33,6 +33,7 @@ from tests.dashboard import (
 GRAFANA = ROOT / "grafana"
 DATASOURCE_UID = "${datasource}"
 PROVISIONED_DIR = "/var/lib/grafana/dashboards/gpu-exporter"
+GPU_LEGEND = "{{instance}} GPU {{gpu}}"
 
 #: Exported by the agent (exporter/exposition/metrics.py) but not yet listed in docs/metrics.md.
 #: Drop a name from here once the docs list it.
@@ -62,6 +63,27 @@ REQUIRED = [
     ("Power draw vs limit", "timeseries", "watt", "gpu_power_limit_watts"),
     ("Average power from the energy counter (5m)", "timeseries", "watt", "gpu_energy_joules_total"),
     ("Throttling (thermal and power)", "state-timeline", None, "gpu_clock_event_active"),
+    # True utilization
+    ("SM and tensor activity vs utilization", "timeseries", "percentunit", "gpu_sm_active_ratio"),
+    (
+        "SM and tensor activity vs utilization",
+        "timeseries",
+        "percentunit",
+        "gpu_tensor_active_ratio",
+    ),
+    (
+        "SM and tensor activity vs utilization",
+        "timeseries",
+        "percentunit",
+        "gpu_utilization_ratio",
+    ),
+    ("DRAM bandwidth utilization", "timeseries", "percentunit", "gpu_dram_active_ratio"),
+    ("PCIe bandwidth (GPM)", "timeseries", "binBps", "gpu_pcie_transmit_bytes_per_second"),
+    ("PCIe bandwidth (GPM)", "timeseries", "binBps", "gpu_pcie_receive_bytes_per_second"),
+    ("NVLink bandwidth (GPM)", "timeseries", "binBps", "gpu_nvlink_transmit_bytes_per_second"),
+    ("NVLink bandwidth (GPM)", "timeseries", "binBps", "gpu_nvlink_receive_bytes_per_second"),
+    ("GPUs with GPM", "stat", "none", "gpu_gpm_supported"),
+    ("GPM support per GPU", "table", None, "gpu_gpm_supported"),
     ("GPU processes", "table", "bytes", "gpu_process_memory_used_bytes"),
     ("GPU processes", "table", "bytes", "gpu_process_sm_utilization_ratio"),
     ("SM utilization by process", "timeseries", "percentunit", "gpu_process_sm_utilization_ratio"),
@@ -278,7 +300,14 @@ def test_required_sections(dashboard: dict[str, Any]) -> None:
             assert unit in units, (title, units)
         assert any(metric in metric_names(t["expr"]) for t in panel["targets"]), title
     rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
-    assert rows == ["Fleet overview", "Processes", "Actions", "Health", "Agent health"]
+    assert rows == [
+        "Fleet overview",
+        "True utilization",
+        "Processes",
+        "Actions",
+        "Health",
+        "Agent health",
+    ]
 
 
 def test_specific_queries(dashboard: dict[str, Any]) -> None:
@@ -386,6 +415,48 @@ def test_health_queries(dashboard: dict[str, Any]) -> None:
     assert "{{check}}" in found["Failing health checks over time"]["targets"][0]["legendFormat"]
 
 
+def test_true_utilization_queries(dashboard: dict[str, Any]) -> None:
+    found = by_title(dashboard)
+    gpm = rows(dashboard)["True utilization"]
+    assert {p["title"] for p in gpm} == {
+        "SM and tensor activity vs utilization",
+        "DRAM bandwidth utilization",
+        "PCIe bandwidth (GPM)",
+        "NVLink bandwidth (GPM)",
+        "GPUs with GPM",
+        "GPM support per GPU",
+    }
+    # GPM metrics are gauges (the average between two samples): shown as they are, no rate().
+    for panel in gpm:
+        for target in panel["targets"]:
+            assert "rate(" not in target["expr"], panel["title"]
+    activity = found["SM and tensor activity vs utilization"]
+    sm, tensor, utilization = (t["expr"] for t in activity["targets"])
+    assert metric_names(sm) == {"gpu_sm_active_ratio"}
+    assert metric_names(tensor) == {"gpu_tensor_active_ratio"}
+    # Utilization only of the GPUs with GPM, whose SM activity is there to compare with.
+    assert utilization.startswith("gpu_utilization_ratio{")
+    assert " and on (instance, gpu, uuid) gpu_gpm_supported{" in utilization
+    assert utilization.endswith("} == 1")
+    (override,) = activity["fieldConfig"]["overrides"]
+    assert override["matcher"] == {"id": "byFrameRefID", "options": "C"}  # utilization dashed
+    assert [t["legendFormat"] for t in activity["targets"]] == [
+        GPU_LEGEND + " SM active",
+        GPU_LEGEND + " tensor active",
+        GPU_LEGEND + " utilization",
+    ]
+    for title in ("PCIe bandwidth (GPM)", "NVLink bandwidth (GPM)"):
+        legends = [t["legendFormat"] for t in found[title]["targets"]]
+        assert legends == [GPU_LEGEND + " transmit", GPU_LEGEND + " receive"], title
+    # A count of GPUs: 0, not "No data", when none has GPM.
+    assert found["GPUs with GPM"]["targets"][0]["expr"].endswith(" or vector(0)")
+    support = found["GPM support per GPU"]
+    (level,) = support["fieldConfig"]["overrides"]
+    assert level["matcher"] == {"id": "byName", "options": "GPM"}
+    (states,) = level["properties"][0]["value"]
+    assert {int(v): o["text"] for v, o in states["options"].items()} == {0: "no", 1: "yes"}
+
+
 def test_panel_ids_follow_their_row(dashboard: dict[str, Any]) -> None:
     """Panels of row N00 have ids N01, N02, ... in order, so links to a panel survive edits."""
     row_id = 0
@@ -415,6 +486,7 @@ def test_tables(dashboard: dict[str, Any]) -> None:
         ("Memory repair per GPU", 12, ["instance", "gpu", "uuid", "Value #A", "Value #B"]),
         ("Down NVLink links", 1, ["instance", "gpu", "uuid", "link"]),
         ("Failing health checks now", 1, ["instance", "gpu", "uuid", "check", "Value"]),
+        ("GPM support per GPU", 1, ["instance", "gpu", "uuid", "name", "Value"]),
     ]:
         panel = found[title]
         assert len(panel["targets"]) == queries, title
@@ -668,6 +740,86 @@ def test_health_row_on_a_real_prometheus(tmp_path: Path) -> None:
                 )
                 if not problems or time.monotonic() > deadline:
                     break
+                time.sleep(1)
+        assert "Traceback" not in stderr_of(agent)
+    log = (tmp_path / "prometheus.log").read_text()[-3000:]
+    assert not problems, "\n".join(problems) + "\n--- prometheus.log\n" + log
+
+
+# --- the True utilization row on a real Prometheus ------------------------------------------------
+
+#: The built-in scenario's GPUs with GPM (its H100s); its A100 (2) and RTX 4090 (3) have none.
+GPM_GPUS = {"0", "1"}
+#: What the True utilization row shows for the built-in scenario (exporter/scenarios/builtin.yaml):
+#: (panel title, refId, labels the series has, lowest, highest value).
+GPM_VALUES: list[tuple[str, str, dict[str, str], float, float]] = [
+    # GPU 0 busy and efficient, GPU 1 busy but few of its SMs at work
+    ("SM and tensor activity vs utilization", "A", {"gpu": "0"}, 0.64, 0.80),
+    ("SM and tensor activity vs utilization", "A", {"gpu": "1"}, 0.05, 0.15),
+    ("SM and tensor activity vs utilization", "B", {"gpu": "0"}, 0.45, 0.65),
+    ("SM and tensor activity vs utilization", "B", {"gpu": "1"}, 0.01, 0.01),
+    ("SM and tensor activity vs utilization", "C", {"gpu": "0"}, 0.75, 0.95),
+    ("SM and tensor activity vs utilization", "C", {"gpu": "1"}, 0.3, 0.98),
+    ("DRAM bandwidth utilization", "A", {"gpu": "0"}, 0.30, 0.46),
+    ("DRAM bandwidth utilization", "A", {"gpu": "1"}, 0.03, 0.03),
+    ("PCIe bandwidth (GPM)", "A", {"gpu": "0"}, 13e9, 13e9),
+    ("PCIe bandwidth (GPM)", "B", {"gpu": "0"}, 25e9, 25e9),
+    ("PCIe bandwidth (GPM)", "A", {"gpu": "1"}, 5e9, 5e9),
+    ("PCIe bandwidth (GPM)", "B", {"gpu": "1"}, 10e9, 10e9),
+    ("NVLink bandwidth (GPM)", "A", {"gpu": "0"}, 39e9, 39e9),
+    ("NVLink bandwidth (GPM)", "B", {"gpu": "0"}, 39e9, 39e9),
+    ("NVLink bandwidth (GPM)", "A", {"gpu": "1"}, 0, 0),
+    ("NVLink bandwidth (GPM)", "B", {"gpu": "1"}, 0, 0),
+    ("GPUs with GPM", "A", {}, 2, 2),
+    ("GPM support per GPU", "A", {"gpu": "0", "name": "NVIDIA H100 80GB HBM3"}, 1, 1),
+    ("GPM support per GPU", "A", {"gpu": "1", "name": "NVIDIA H100 80GB HBM3"}, 1, 1),
+    ("GPM support per GPU", "A", {"gpu": "2", "name": "NVIDIA A100-SXM4-40GB"}, 0, 0),
+    ("GPM support per GPU", "A", {"gpu": "3", "name": "NVIDIA GeForce RTX 4090"}, 0, 0),
+]
+
+
+def _gpm_problems(port: int, targets: dict[tuple[str, str], str]) -> list[str]:
+    """What the True utilization row's queries answer now unlike GPM_VALUES: a query without
+    data, a graph with other GPUs than the GPM ones, a value out of its range."""
+    problems = []
+    results = {key: prom_query(port, expr) for key, expr in targets.items()}
+    for (title, ref), result in results.items():
+        gpus = {r["metric"].get("gpu") for r in result}
+        if not result:
+            problems.append(f"{title} {ref}: no data: {targets[title, ref]}")
+        elif title not in ("GPUs with GPM", "GPM support per GPU") and gpus != GPM_GPUS:
+            problems.append(f"{title} {ref}: GPUs {sorted(gpus)}, expected {sorted(GPM_GPUS)}")
+    for title, ref, labels, low, high in GPM_VALUES:
+        found = [
+            float(r["value"][1])
+            for r in results[title, ref]
+            if labels.items() <= r["metric"].items()
+        ]
+        # 1e-9: the simulation's floating point (0.03 may come back as 0.030000000000000013)
+        if len(found) != 1 or not low - 1e-9 * (1 + low) <= found[0] <= high + 1e-9 * (1 + high):
+            problems.append(f"{title} {ref} {labels}: {found}, expected {low} to {high}")
+    return problems
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(PROMETHEUS is None, reason="needs Debian's prometheus (test.sh installs it)")
+def test_true_utilization_row_on_a_real_prometheus(tmp_path: Path) -> None:
+    """The agent on the built-in scenario, scraped by a real Prometheus: every query of the True
+    utilization row returns data for the H100s (GPM), and the values the scenario gives them."""
+    panels = rows(load(DASHBOARD))["True utilization"]
+    queries = {
+        (panel["title"], target["refId"]): substitute(target["expr"])
+        for panel in panels
+        for target in panel["targets"]
+    }
+    assert {(title, ref) for title, ref, *_ in GPM_VALUES} == set(queries)
+    simulate = ["--simulate", "--interval", "0.5", "--lock-dir", str(tmp_path)]
+    with serve(tmp_path, *simulate) as (agent, agent_port):
+        healthz_until(agent, agent_port)
+        with prometheus(tmp_path, f"127.0.0.1:{agent_port}") as port:
+            # GPM is there from the agent's second sample on, in the scrape after it.
+            deadline = time.monotonic() + 45
+            while (problems := _gpm_problems(port, queries)) and time.monotonic() < deadline:
                 time.sleep(1)
         assert "Traceback" not in stderr_of(agent)
     log = (tmp_path / "prometheus.log").read_text()[-3000:]
