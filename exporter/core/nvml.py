@@ -18,8 +18,8 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import pynvml
@@ -39,6 +39,7 @@ from exporter.core.snapshot import (
     GpuInfo,
     HostInfo,
     LinkReadings,
+    MigDevice,
     Readings,
     SampleError,
     frozen_map,
@@ -162,6 +163,9 @@ class NvmlProcess(NamedTuple):
     type: str
     #: Its utilization since the GPU's previous sample (each None when unknown).
     utilization: ProcessUtilization = UNKNOWN_UTILIZATION
+    #: The MIG GPU and compute instance it runs on (None: not in MIG mode).
+    gpu_instance: int | None = None
+    compute_instance: int | None = None
 
 
 #: One entry of a GPU's field-value call: the reading, its link (None: the GPU's), and what
@@ -193,6 +197,11 @@ class GpuReading:
     gpu: Gpu
     processes: list[NvmlProcess] | None
     errors: list[SampleError] = field(default_factory=list)
+
+
+def _instance(value: Any) -> int | None:
+    """A MIG instance id of a process entry; None for NVML's "none" (0xFFFFFFFF)."""
+    return None if value is None or int(value) == _NO_INSTANCE else int(value)
 
 
 def _text(value: Any) -> str:
@@ -258,8 +267,10 @@ class Nvml:
         self._event_devices: dict[int, str] = {}
         #: GPU index -> (its static facts, gaps known, the field values to ask for).
         self._requests: dict[int, tuple[GpuInfo, int, list[_FieldEntry], list[Any]]] = {}
-        #: GPU index -> its GPM samples, request and backoff (GPUs that support GPM).
-        self._gpm: dict[int, GpmState] = {}
+        #: (GPU index, MIG GPU instance or None) -> its GPM samples, request and backoff.
+        self._gpm: dict[tuple[int, int | None], GpmState] = {}
+        #: (GPU index, MIG device UUID) -> (GPU instance, compute instance, profile).
+        self._mig_static: dict[tuple[int, str], tuple[int | None, int | None, str]] = {}
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -348,6 +359,7 @@ class Nvml:
         self._event_devices.clear()
         self._requests.clear()
         self._gpm.clear()  # the samples went with the previous initialisation
+        self._mig_static.clear()
         try:
             self.call("nvmlInit")
         except Exception as exc:
@@ -447,6 +459,7 @@ class Nvml:
         self._supported = {key for key in self._supported if key[0] != index}
         self._slow.pop(index, None)
         self._drop_gpm(index)
+        self._mig_static = {k: v for k, v in self._mig_static.items() if k[0] != index}
         handle = self._required("nvmlDeviceGetHandleByIndex", index)
         self._handles[index] = handle
         uuid = _text(self._required("nvmlDeviceGetUUID", handle))
@@ -481,7 +494,7 @@ class Nvml:
             index, "serial", errors, Call("nvmlDeviceGetSerial", (handle,), convert=_text)
         )
         name = _text(self._required("nvmlDeviceGetName", handle))
-        mig_uuids = self._read_mig(index, handle, errors)
+        mig_uuids, mig_slots = self._read_mig(index, handle, errors)
         gpm = self._read_gpm_support(index, handle, errors)
         static = self._read_functions(index, handle, errors, "static")
         links = self._read(
@@ -508,31 +521,106 @@ class Nvml:
             power_limit_watts=power_limit / 1000.0 if power_limit is not None else None,
             ecc_enabled=bool(ecc[0]) if ecc is not None else None,
             mig_uuids=mig_uuids,
+            mig_slots=mig_slots,
             gpm_supported=gpm,
             fields=Readings(static),
             nvlink_links=int(links) if links else 0,
         )
 
-    def _read_mig(self, index: int, handle: Any, errors: list[SampleError]) -> tuple[str, ...]:
-        """UUIDs of the GPU's MIG devices; empty when MIG is off or not supported."""
+    def _read_mig(
+        self, index: int, handle: Any, errors: list[SampleError]
+    ) -> tuple[tuple[str, ...], int]:
+        """UUIDs of the GPU's MIG devices and its number of MIG device slots; none when MIG is
+        off or not supported."""
         mode = self._read(index, "mig_mode", errors, Call("nvmlDeviceGetMigMode", (handle,)))
         if not mode or not mode[0]:
-            return ()
+            return (), 0
         count = self._read(
             index, "mig_count", errors, Call("nvmlDeviceGetMaxMigDeviceCount", (handle,))
         )
+        found = [uuid for _, uuid in self._mig_handles(index, handle, int(count or 0), errors)]
+        return tuple(found), int(count or 0)
+
+    def _mig_handles(
+        self, index: int, handle: Any, slots: int, errors: list[SampleError]
+    ) -> list[tuple[Any, str]]:
+        """(handle, UUID) of each MIG device in the GPU's ``slots`` (2 calls a device, 1 an
+        empty slot)."""
         found = []
-        for slot in range(count or 0):
+        for slot in range(slots):
             try:
                 mig = self.call("nvmlDeviceGetMigDeviceHandleByIndex", handle, slot)
-                found.append(_text(self.call("nvmlDeviceGetUUID", mig)))
+                found.append((mig, _text(self.call("nvmlDeviceGetUUID", mig))))
             except Exception as exc:
                 error = error_name(exc)
                 if error in _GPU_FATAL | _NVML_FATAL:
                     raise GpuFailed(error, f"MIG device {slot}: {describe(exc)}") from exc
                 if error not in _MISSING | _UNSUPPORTED | {"NotFound"}:  # NotFound: an empty slot
                     errors.append(SampleError("field", error, index, "mig_devices", describe(exc)))
-        return tuple(found)
+        return found
+
+    def _read_mig_devices(
+        self, info: GpuInfo, handle: Any, errors: list[SampleError], now: float | None
+    ) -> tuple[MigDevice, ...]:
+        """The GPU's MIG devices as they are now (a new layout is seen at the next sample):
+        their instances and profile (read once per device), memory, and GPM per GPU instance
+        where the GPU has GPM."""
+        index = info.index
+        devices = []
+        seen = set()
+        for mig, uuid in self._mig_handles(index, handle, info.mig_slots, errors):
+            seen.add(uuid)
+            static = self._mig_static.get((index, uuid))
+            if static is None:
+                static = self._mig_static[(index, uuid)] = self._read_mig_static(index, mig, errors)
+            memory = self._read(
+                index, f"mig_memory@{uuid}", errors, Call("nvmlDeviceGetMemoryInfo", (mig,))
+            )
+            devices.append(
+                MigDevice(
+                    uuid=uuid,
+                    gpu_instance=static[0],
+                    compute_instance=static[1],
+                    profile=static[2],
+                    memory_total_bytes=int(memory.total) if memory is not None else None,
+                    memory_used_bytes=int(memory.used) if memory is not None else None,
+                    memory_free_bytes=int(memory.free) if memory is not None else None,
+                )
+            )
+        self._mig_static = {
+            k: v for k, v in self._mig_static.items() if k[0] != index or k[1] in seen
+        }
+        instances = {d.gpu_instance for d in devices if d.gpu_instance is not None}
+        self._drop_gpm(index, keep={None, *instances})  # instances that were re-partitioned
+        if not info.gpm_supported:
+            return tuple(devices)
+        gpm: dict[int | None, dict[str, float]] = {
+            gi: self._read_gpm(index, handle, errors, now, gi) for gi in sorted(instances)
+        }
+        return tuple(
+            replace(d, fields=Readings(gpm[d.gpu_instance])) if gpm.get(d.gpu_instance) else d
+            for d in devices
+        )
+
+    def _read_mig_static(
+        self, index: int, mig: Any, errors: list[SampleError]
+    ) -> tuple[int | None, int | None, str]:
+        """A MIG device's GPU instance, compute instance and profile (``1g.10gb``: its name
+        after "MIG", as nvidia-smi shows it)."""
+        values: list[int | None] = []
+        for function in ("nvmlDeviceGetGpuInstanceId", "nvmlDeviceGetComputeInstanceId"):
+            try:
+                values.append(int(self.call(function, mig)))
+            except Exception as exc:
+                if error_name(exc) in _GPU_FATAL | _NVML_FATAL:
+                    raise GpuFailed(error_name(exc), f"{function}: {describe(exc)}") from exc
+                values.append(None)
+        try:
+            name = _text(self.call("nvmlDeviceGetName", mig))
+        except Exception as exc:
+            errors.append(SampleError("field", error_name(exc), index, "mig_name", describe(exc)))
+            name = ""
+        return values[0], values[1], name.rpartition(" MIG ")[2] if " MIG " in name else name
 
     def _read_memory(self, index: int, handle: Any, errors: list[SampleError]) -> Any:
         calls = [Call("nvmlDeviceGetMemoryInfo", (handle,))]
@@ -573,7 +661,7 @@ class Nvml:
         values, links = self._read_field_values(info, handle, errors)
         values.update(self._read_functions(index, handle, errors, "sample"))
         if info.gpm_supported:
-            values.update(self._read_gpm(info, handle, errors, now))
+            values.update(self._read_gpm(index, handle, errors, now))
         clocks = {}
         for name, clock_type in CLOCKS:
             if name in _SLOW_CLOCKS:
@@ -592,8 +680,9 @@ class Nvml:
             Call("nvmlDeviceGetCurrentClocksEventReasons", (handle,)),
             Call("nvmlDeviceGetCurrentClocksThrottleReasons", (handle,)),
         )
+        mig_devices = self._read_mig_devices(info, handle, errors, now) if info.mig_slots else ()
         processes = self._read_processes(index, handle, errors)
-        if processes:
+        if processes and not info.mig_slots:  # NVML has no per-process utilization in MIG mode
             processes = self._with_utilization(info, handle, processes, errors)
         gpu = Gpu(
             index=index,
@@ -615,6 +704,7 @@ class Nvml:
             fields=Readings(values),
             nvlink=LinkReadings(links),
             slow_read_at=slow_at,
+            mig_devices=mig_devices,
         )
         return GpuReading(gpu, processes, errors)
 
@@ -632,27 +722,37 @@ class Nvml:
         return bool(answer.isSupportedDevice)
 
     def _read_gpm(
-        self, info: GpuInfo, handle: Any, errors: list[SampleError], now: float | None
+        self,
+        index: int,
+        handle: Any,
+        errors: list[SampleError],
+        now: float | None,
+        gpu_instance: int | None = None,
     ) -> dict[str, float]:
-        """The GPM readings between this sample and the GPU's previous one (two calls): none
-        at the first sample, while the counters are busy, or when a call failed."""
-        index = info.index
+        """The GPM readings between this sample and the previous one (two calls) of the GPU,
+        or of one of its MIG GPU instances: none at the first sample, while the counters are
+        busy, or when a call failed."""
         now = time.monotonic() if now is None else now
-        state = self._gpm.get(index) or self._start_gpm(index, errors)
+        key = (index, gpu_instance)
+        state = self._gpm.get(key) or self._start_gpm(key, errors)
         if state is None:
             return {}
+        where = "gpm" if gpu_instance is None else f"gpm@gi{gpu_instance}"
         if now < state.busy_until:
             message = f"GPM counters busy; next try in {state.busy_until - now:.0f}s"
-            errors.append(SampleError("field", "InUse", index, "gpm", message))
+            errors.append(SampleError("field", "InUse", index, where, message))
             return {}
         failed_before = len(errors)
-        taken = self._read(
-            index,
-            "gpm",
-            errors,
-            Call("nvmlGpmSampleGet", (handle, state.samples[1]), gpu_fatal=_GPM_FATAL),
+        take = (
+            Call("nvmlGpmSampleGet", (handle, state.samples[1]), gpu_fatal=_GPM_FATAL)
+            if gpu_instance is None
+            else Call(
+                "nvmlGpmMigSampleGet",
+                (handle, gpu_instance, state.samples[1]),
+                gpu_fatal=_GPM_FATAL,
+            )
         )
-        if taken is None:
+        if self._read(index, where, errors, take) is None:
             self._gpm_failed(state, index, errors[failed_before:], now)
             return {}
         if state.answered():
@@ -665,7 +765,7 @@ class Nvml:
         state.swap()
         answer = self._read(
             index,
-            "gpm",
+            where,
             errors,
             Call("nvmlGpmMetricsGet", (request,), gpu_fatal=_GPM_FATAL),
         )
@@ -673,21 +773,23 @@ class Nvml:
             self._gpm_failed(state, index, errors[failed_before:], now)
             return {}
         values, failed = metric_values(request, state.asked)
-        for key, code in failed.items():
+        for reading_key, code in failed.items():
             error = error_name(self._lib.NVMLError(code))
             if error in _UNSUPPORTED:
-                state.unsupported.add(key)
-                log.debug("GPU %d: GPM metric %s not supported", index, key)
+                state.unsupported.add(reading_key)
+                log.debug("GPU %d: GPM metric %s not supported", index, reading_key)
             else:
-                errors.append(SampleError("field", error, index, key, f"GPM: {error}"))
+                errors.append(SampleError("field", error, index, reading_key, f"GPM: {error}"))
         if state.unsupported & {r.key for r in state.asked}:
             state.request, state.asked = metrics_request(
                 self._lib, [r for r in GPM_READINGS if r.key not in state.unsupported]
             )
         return values
 
-    def _start_gpm(self, index: int, errors: list[SampleError]) -> GpmState | None:
-        """A GPU's GPM state with its two samples; None when they cannot be had."""
+    def _start_gpm(self, key: tuple[int, int | None], errors: list[SampleError]) -> GpmState | None:
+        """The GPM state of a GPU (or of one of its GPU instances) with its two samples; None
+        when they cannot be had."""
+        index = key[0]
         if (index, "gpm") in self._unsupported:
             return None
         samples: list[Any] = []
@@ -703,7 +805,7 @@ class Nvml:
             self._free_samples(samples)
             self._unsupported.add((index, "gpm"))
             return None
-        state = self._gpm[index] = GpmState(samples, request, asked)
+        state = self._gpm[key] = GpmState(samples, request, asked)
         return state
 
     def _gpm_failed(
@@ -722,10 +824,11 @@ class Nvml:
                     wait,
                 )
 
-    def _drop_gpm(self, index: int) -> None:
-        state = self._gpm.pop(index, None)
-        if state is not None:
-            self._free_samples(state.samples)
+    def _drop_gpm(self, index: int, keep: Collection[int | None] | None = None) -> None:
+        """Free the GPM states of GPU ``index`` (but those of the GPU instances in ``keep``)."""
+        for key in [k for k in self._gpm if k[0] == index]:
+            if keep is None or key[1] not in keep:
+                self._free_samples(self._gpm.pop(key).samples)
 
     def _free_samples(self, samples: list[Any]) -> None:
         for sample in samples:
@@ -1009,7 +1112,13 @@ class Nvml:
             for proc in listed:
                 used = getattr(proc, "usedGpuMemory", None)
                 found.append(
-                    NvmlProcess(int(proc.pid), int(used) if used is not None else None, kind)
+                    NvmlProcess(
+                        int(proc.pid),
+                        int(used) if used is not None else None,
+                        kind,
+                        gpu_instance=_instance(getattr(proc, "gpuInstanceId", None)),
+                        compute_instance=_instance(getattr(proc, "computeInstanceId", None)),
+                    )
                 )
         if len(errors) > failed_before:  # one list failed: the other alone would be short
             return None

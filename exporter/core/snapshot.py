@@ -141,14 +141,32 @@ class GpuInfo:
     temperature_thresholds: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
     power_limit_watts: float | None = None
     ecc_enabled: bool | None = None
-    #: UUIDs of the GPU's MIG devices, when MIG is enabled (``MIG-...``).
+    #: UUIDs of the GPU's MIG devices when its static facts were read, when MIG is enabled
+    #: (``MIG-...``; ``Gpu.mig_devices`` has the layout of each sample).
     mig_uuids: tuple[str, ...] = ()
+    #: MIG device slots the GPU has while MIG is enabled (0: MIG off or unsupported).
+    mig_slots: int = 0
     #: Whether the GPU has GPU Performance Monitoring (None: the query failed).
     gpm_supported: bool | None = None
     #: Readings of ``core.fields`` read once (cadence ``static``), by key, in base units.
     fields: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
     #: NVLink links the GPU has (0: none, or NVML cannot say).
     nvlink_links: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MigDevice:
+    """One MIG device of a GPU in MIG mode, as one sample saw it."""
+
+    uuid: str  # MIG-...
+    gpu_instance: int | None = None
+    compute_instance: int | None = None
+    profile: str = ""  # as nvidia-smi names it: 1g.10gb, 3g.40gb, ...
+    memory_total_bytes: int | None = None
+    memory_used_bytes: int | None = None
+    memory_free_bytes: int | None = None
+    #: GPM readings of its GPU instance (``core.fields``' GPM keys), where GPM supports MIG.
+    fields: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +197,8 @@ class GpuProcess:
     memory_utilization_ratio: float | None = None
     encoder_utilization_ratio: float | None = None
     decoder_utilization_ratio: float | None = None
+    #: The MIG devices it runs on (``MIG-...``; none outside MIG mode).
+    mig_uuids: tuple[str, ...] = ()
     #: Seconds the agent has seen no SM activity from the process on this GPU: 0 while active,
     #: counted from the first sample that saw it idle; None when its utilization is unknown.
     gpu_idle_seconds: float | None = None
@@ -219,11 +239,19 @@ class Gpu:
     #: The last XIDs seen (at most ``core.xid.KEPT_PER_GPU``), oldest first.
     xids: tuple[XidEvent, ...] = ()
     processes: tuple[GpuProcess, ...] | None = None
+    #: Its MIG devices in this sample (MIG mode only; the layout can change between samples).
+    mig_devices: tuple[MigDevice, ...] = ()
     #: PID that took this GPU's launcher lock (None: not reserved, or no lock directory). The
     #: lock lives on in the job that inherited it, so this PID may have exited since.
     reserved_by: int | None = None  # 0: reserved, the taker not visible from this PID namespace
     #: the user of ``reserved_by`` ("" when unknown or not visible here)
     reserved_by_user: str = ""
+
+    def mig_uuids(self) -> tuple[str, ...]:
+        """Its MIG devices' UUIDs: this sample's layout, else the one of its static facts."""
+        if self.mig_devices:
+            return tuple(device.uuid for device in self.mig_devices)
+        return self.info.mig_uuids if self.info is not None else ()
 
     @property
     def power_watts(self) -> float | None:

@@ -98,9 +98,7 @@ def _resolve(entry: str, gpus: Sequence[Gpu], by_index: dict[str, Gpu]) -> str |
     if entry.startswith("MIG-GPU-"):  # MIG-GPU-<parent uuid>/<gi>/<ci>
         return _unique(entry[len("MIG-") :].split("/")[0], [g.uuid for g in gpus])
     if entry.startswith("MIG-"):
-        parents = [
-            g.uuid for g in gpus if g.info and any(m.startswith(entry) for m in g.info.mig_uuids)
-        ]
+        parents = [g.uuid for g in gpus if any(m.startswith(entry) for m in g.mig_uuids())]
         return parents[0] if len(parents) == 1 else None
     if entry.startswith("GPU-"):
         return _unique(entry, [g.uuid for g in gpus])

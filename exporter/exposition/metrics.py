@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.process_collector import ProcessCollector
 
 from exporter import __version__
-from exporter.core.fields import READINGS
+from exporter.core.fields import GPM_READINGS, READINGS
 from exporter.core.snapshot import Gpu, GpuProcess, LinkReadings, Readings, Snapshot
 from exporter.core.xid import describe_xid
 from exporter.exposition.text import Family as Rows
@@ -283,6 +283,7 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
         ),
         *reading_families(live),
         *xid_families(snapshot.gpus),
+        *mig_families(live),
         _per_process(
             live,
             _gauge(
@@ -399,6 +400,61 @@ def xid_families(gpus: Iterable[Gpu]) -> list[Family]:
         if gpu.xid_events_supported is not None:
             supported.add_metric(ids, 1.0 if gpu.xid_events_supported else 0.0)
     return [errors, supported]
+
+
+MIG_LABELS = [*GPU_LABELS, "mig_uuid"]
+#: GPM's metrics of a MIG device (its GPU instance): ``gpu_mig_sm_active_ratio``, ...
+_MIG_GPM = tuple((r, "gpu_mig_" + r.metric[len("gpu_") :]) for r in GPM_READINGS)
+
+
+def mig_families(gpus: Iterable[Gpu]) -> list[Family]:
+    """The MIG devices of GPUs in MIG mode (every series with the parent's ``gpu`` and
+    ``uuid``, and ``mig_uuid``), and which MIG device each process runs on."""
+    info = _gauge(
+        "gpu_mig_info",
+        "A MIG device of the GPU; always 1.",
+        [*MIG_LABELS, "gpu_instance", "compute_instance", "profile"],
+    )
+    memory = {
+        part: _gauge(f"gpu_mig_memory_{part}_bytes", f"{text} of the MIG device.", MIG_LABELS)
+        for part, text in (("total", "Memory"), ("used", "Memory in use"), ("free", "Free memory"))
+    }
+    gpm = {
+        name: _gauge(
+            name,
+            reading.help.replace("from GPM", "of the MIG device's GPU instance, from GPM"),
+            MIG_LABELS,
+        )
+        for reading, name in _MIG_GPM
+    }
+    process = _gauge(
+        "gpu_process_mig_info",
+        "1 for each MIG device a process runs on (join on pid for its other series).",
+        ["gpu", "uuid", "pid", "mig_uuid"],
+    )
+    for gpu in gpus:
+        ids = [str(gpu.index), gpu.uuid]
+        for device in gpu.mig_devices:
+            labels = [*ids, device.uuid]
+            instances = [
+                "" if device.gpu_instance is None else str(device.gpu_instance),
+                "" if device.compute_instance is None else str(device.compute_instance),
+            ]
+            info.add_metric([*labels, *instances, device.profile], 1.0)
+            for part, value in (
+                ("total", device.memory_total_bytes),
+                ("used", device.memory_used_bytes),
+                ("free", device.memory_free_bytes),
+            ):
+                if value is not None:
+                    memory[part].add_metric(labels, value)
+            for reading, name in _MIG_GPM:
+                if reading.key in device.fields:
+                    gpm[name].add_metric(labels, device.fields[reading.key])
+        for proc in gpu.processes or ():
+            for mig_uuid in proc.mig_uuids:
+                process.add_metric([*ids, str(proc.pid), mig_uuid], 1.0)
+    return [info, *memory.values(), *gpm.values(), process]
 
 
 def _per_process(

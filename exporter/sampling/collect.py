@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from exporter.core.activity import IdleTimes
 from exporter.core.locks import UNKNOWN_HOLDER, LockError, held_locks, provision
+from exporter.core.mig import device_utilization, process_devices
 from exporter.core.nvml import (
     UNKNOWN_UTILIZATION,
     GpuFailed,
@@ -24,7 +25,15 @@ from exporter.core.nvml import (
     ProcessUtilization,
 )
 from exporter.core.procfs import ProcessInfo, ProcFs
-from exporter.core.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, SampleError, Snapshot
+from exporter.core.snapshot import (
+    Gpu,
+    GpuInfo,
+    GpuProcess,
+    HostInfo,
+    MigDevice,
+    SampleError,
+    Snapshot,
+)
 from exporter.core.xid import XidLog
 from exporter.sampling.events import XidWatcher
 
@@ -283,7 +292,7 @@ class Collector:
         errors.extend(reading.errors)
         if reading.processes is None:
             return reading.gpu
-        processes = self._enrich(info.uuid, reading.processes, seen, now)
+        processes = self._enrich(info.uuid, reading.processes, seen, now, reading.gpu.mig_devices)
         return replace(reading.gpu, processes=processes)
 
     def _enrich(
@@ -292,6 +301,7 @@ class Collector:
         listed: list[NvmlProcess],
         seen: dict[int, ProcessInfo | None],
         now: float,
+        mig_devices: tuple[MigDevice, ...] = (),
     ) -> tuple[GpuProcess, ...]:
         merged: dict[tuple[int, str], int | None] = {}
         for proc in listed:  # one entry per (pid, type): MIG lists a pid once per instance
@@ -301,6 +311,9 @@ class Collector:
             elif key not in merged:
                 merged[key] = proc.used_memory_bytes
         utilization = {proc.pid: proc.utilization for proc in listed}  # one per pid
+        on_mig = process_devices(listed, mig_devices) if mig_devices else {}
+        if mig_devices:  # no per-process utilization in MIG mode: the device's, if alone
+            utilization = {**utilization, **device_utilization(on_mig, mig_devices)}
         out = []
         for (pid, kind), used in merged.items():
             if pid not in seen:
@@ -316,7 +329,7 @@ class Collector:
             known = seen[pid]
             start = known.start_ticks if known is not None else 0
             idle = self._idle.observe((uuid, pid, start), process.sm_utilization_ratio, now)
-            out.append(replace(process, gpu_idle_seconds=idle))
+            out.append(replace(process, gpu_idle_seconds=idle, mig_uuids=on_mig.get(pid, ())))
         return tuple(out)
 
 

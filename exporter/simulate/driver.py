@@ -19,7 +19,7 @@ import threading
 import time
 import types
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NoReturn
 
 import pynvml
@@ -49,6 +49,7 @@ from exporter.simulate.scenario import (
     InjectedError,
     Scenario,
     SimGpu,
+    SimMig,
     SimProcess,
     Value,
     load_scenario,
@@ -442,6 +443,8 @@ class SimulatedDriver:
         def memory(h: _Handle, version: int | None = None) -> Any:
             if version and "nvmlDeviceGetMemoryInfo_v2" in s.missing_functions:
                 _raise("FunctionNotFound")
+            if h.mig:
+                return self._mig_memory(h)
             gpu = h.gpu
             used = at(gpu.memory_used) + sum(m for _, m in self._live_processes(h))
             used = int(min(max(used, 0), gpu.memory_total - gpu.memory_reserved))
@@ -540,17 +543,21 @@ class SimulatedDriver:
                         {
                             "pid": pid,
                             "usedGpuMemory": int(used),
-                            "gpuInstanceId": 0xFFFFFFFF,
-                            "computeInstanceId": 0xFFFFFFFF,
+                            "gpuInstanceId": instances[0],
+                            "computeInstanceId": instances[1],
                         }
                     )
-                    for pid, used in self._live_processes(h, kind)
+                    for pid, proc in self._live(h, kind)
+                    for used in (max(proc.memory.at(self.now()), 0.0),)
+                    for instances in (self._instances_of(h, proc),)
                 ]
 
             return listed
 
         def process_utilization(kind: Any) -> Callable[[_Handle, int], list[Any]]:
             def answer(h: _Handle, since: int) -> list[Any]:
+                if h.gpu.mig_devices:
+                    _raise("NotSupported")  # as the driver: none in MIG mode
                 samples = self._utilization_samples(h, int(since), kind)
                 if not samples:
                     _raise("NotFound")  # as the driver: no process busy since ``since``
@@ -570,11 +577,14 @@ class SimulatedDriver:
             "nvmlDeviceGetHandleByIndex": handle,
             "nvmlDeviceGetUUID": lambda h: h.mig or h.gpu.uuid,
             "nvmlDeviceGetMigMode": lambda h: [int(bool(h.gpu.mig_devices))] * 2,
-            "nvmlDeviceGetMaxMigDeviceCount": lambda h: len(h.gpu.mig_devices),
-            "nvmlDeviceGetMigDeviceHandleByIndex": lambda h, i: _Handle(
-                h.index, h.gpu, h.gpu.mig_devices[i]
+            "nvmlDeviceGetMaxMigDeviceCount": lambda h: h.gpu.mig_slots,
+            "nvmlDeviceGetMigDeviceHandleByIndex": self._mig_handle,
+            "nvmlDeviceGetGpuInstanceId": lambda h: self._mig_of(h).gpu_instance,
+            "nvmlDeviceGetComputeInstanceId": lambda h: self._mig_of(h).compute_instance,
+            "nvmlGpmMigSampleGet": self._gpm_mig_sample_get,
+            "nvmlDeviceGetName": lambda h: (
+                f"{h.gpu.name} MIG {self._mig_of(h).profile}" if h.mig else h.gpu.name
             ),
-            "nvmlDeviceGetName": lambda h: h.gpu.name,
             "nvmlDeviceGetPciInfo": pci,
             "nvmlDeviceGetPciInfo_v3": pci,
             "nvmlDeviceGetSerial": lambda h: h.gpu.serial,
@@ -765,6 +775,50 @@ class SimulatedDriver:
         data.computeInstanceId = none if xid.compute_instance is None else xid.compute_instance
         return data
 
+    # -- MIG --------------------------------------------------------------------------------
+
+    def _mig_present(self, gpu: SimGpu) -> list[SimMig]:
+        """The GPU's MIG devices in the layout of now."""
+        t = self.now()
+        return [device for device in gpu.mig_devices if device.window.holds(t)]
+
+    def _mig_handle(self, h: _Handle, slot: int) -> _Handle:
+        """``nvmlDeviceGetMigDeviceHandleByIndex``: the ``slot``-th MIG device of now."""
+        if not h.gpu.mig_devices or not 0 <= slot < h.gpu.mig_slots:
+            _raise("InvalidArgument")
+        present = self._mig_present(h.gpu)
+        if slot >= len(present):
+            _raise("NotFound")  # an empty slot
+        return _Handle(h.index, h.gpu, present[slot].uuid)
+
+    def _mig_of(self, h: _Handle) -> SimMig:
+        """The MIG device of a MIG handle (InvalidArgument for a GPU's handle, or a device
+        that a new layout removed)."""
+        for device in self._mig_present(h.gpu) if h.mig else ():
+            if device.uuid == h.mig:
+                return device
+        _raise("InvalidArgument")
+        raise AssertionError  # not reached
+
+    def _mig_memory(self, h: _Handle) -> Any:
+        device = self._mig_of(h)
+        t = self.now()
+        used = device.memory_used.at(t) + sum(
+            max(proc.memory.at(t), 0.0) for _, proc in self._live(h) if proc.mig == device.uuid
+        )
+        out = pynvml.c_nvmlMemory_t()
+        out.total = device.memory_total
+        out.used = int(min(max(used, 0), device.memory_total))
+        out.free = device.memory_total - out.used
+        return out
+
+    def _instances_of(self, h: _Handle, proc: SimProcess) -> tuple[int, int]:
+        """The (GPU, compute) instance a process entry names; NVML's "none" outside MIG."""
+        for device in self._mig_present(h.gpu) if proc.mig else ():
+            if device.uuid == proc.mig:
+                return device.gpu_instance, device.compute_instance
+        return 0xFFFFFFFF, 0xFFFFFFFF
+
     # -- GPU Performance Monitoring ----------------------------------------------------------
 
     def _gpm_support(self, h: _Handle) -> Any:
@@ -793,7 +847,17 @@ class SimulatedDriver:
         if not h.gpu.gpm:
             _raise("NotSupported")
         held = self._gpm_sample(pointer)
-        held[1], held[2] = h.index, self.now()
+        held[1], held[2] = (h.index, None), self.now()
+        return pointer
+
+    def _gpm_mig_sample_get(self, h: _Handle, gpu_instance: int, pointer: Any) -> Any:
+        """``nvmlGpmMigSampleGet``: a sample of one GPU instance of a GPU in MIG mode."""
+        if not h.gpu.gpm:
+            _raise("NotSupported")
+        if not any(d.gpu_instance == gpu_instance for d in self._mig_present(h.gpu)):
+            _raise("NotFound")
+        held = self._gpm_sample(pointer)
+        held[1], held[2] = (h.index, int(gpu_instance)), self.now()
         return pointer
 
     def _gpm_metrics_get(self, request: Any) -> Any:
@@ -805,10 +869,14 @@ class SimulatedDriver:
         first, second = self._gpm_sample(request.sample1), self._gpm_sample(request.sample2)
         if count > len(request.metrics) or first[1] is None or first[1] != second[1]:
             _raise("InvalidArgument")
-        index, t1, t2 = second[1], first[2], second[2]
+        (index, gpu_instance), t1, t2 = second[1], first[2], second[2]
         if t2 <= t1:
             _raise("InvalidArgument")
         gpu = self.scenario.gpus[index]
+        values = gpu.fields
+        if gpu_instance is not None:  # a MIG GPU instance's readings
+            devices = [d for d in gpu.mig_devices if d.gpu_instance == gpu_instance]
+            values = devices[0].fields if devices else {}
         now = self.now()
         if not gpu.present.holds(now):
             _raise("GpuIsLost")
@@ -821,12 +889,14 @@ class SimulatedDriver:
                 else int(pynvml.NVML_ERROR_NOT_SUPPORTED)
             )
             slot.nvmlReturn = code
-            slot.value = 0.0 if code or reading is None else self._gpm_mean(gpu, reading, t1, t2)
+            slot.value = 0.0 if code or reading is None else self._gpm_mean(values, reading, t1, t2)
         return request
 
-    def _gpm_mean(self, gpu: SimGpu, reading: Reading, t1: float, t2: float) -> float:
+    def _gpm_mean(
+        self, values: Mapping[str, Value], reading: Reading, t1: float, t2: float
+    ) -> float:
         """A GPM metric's mean from ``t1`` to ``t2`` (scenario time), in NVML's unit."""
-        value = gpu.fields.get(reading.key)
+        value = values.get(reading.key)
         if value is None:
             return reading.simulated / reading.scale
         points = [t1 + (t2 - t1) * k / _GPM_POINTS for k in range(_GPM_POINTS + 1)]

@@ -185,14 +185,6 @@ def _value(number: Callable[[Any], float]) -> Callable[[Any], Value]:
     return parse
 
 
-def _mig_uuids(raw: Any) -> tuple[str, ...]:
-    if not isinstance(raw, list) or not all(
-        isinstance(item, str) and item.startswith("MIG-") for item in raw
-    ):
-        raise ValueError("expected a list of MIG device UUIDs (MIG-...)")
-    return tuple(raw)
-
-
 _SIZE_VALUE = _value(lambda raw: float(parse_size(raw)))
 _NUMBER_VALUE = _value(number)
 _RATIO_VALUE = _value(ratio)
@@ -241,6 +233,8 @@ class SimProcess:
     #: Stands for every process outside the simulation that holds the GPU's device stand-in
     #: open (``pid`` is None and ``spawn`` empty), as a driver lists any CUDA process.
     holders: bool = False
+    #: The MIG device it runs on ("": the whole GPU).
+    mig: str = ""
 
 
 @dataclass(frozen=True)
@@ -251,6 +245,22 @@ class SimXid:
     code: int
     gpu_instance: int | None = None
     compute_instance: int | None = None
+
+
+@dataclass(frozen=True)
+class SimMig:
+    """A MIG device: its instances, profile and memory, while ``window`` holds (a layout that
+    changes over time is devices whose windows follow each other)."""
+
+    uuid: str
+    profile: str
+    gpu_instance: int
+    compute_instance: int
+    memory_total: int
+    memory_used: Value
+    window: Window
+    #: GPM readings of its GPU instance, by key.
+    fields: dict[str, Value] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -281,7 +291,9 @@ class SimGpu:
     processes: tuple[SimProcess, ...]
     errors: tuple[InjectedError, ...]
     present: Window
-    mig_devices: tuple[str, ...] = ()
+    mig_devices: tuple[SimMig, ...] = ()
+    #: MIG device slots (nvmlDeviceGetMaxMigDeviceCount) while MIG is on.
+    mig_slots: int = 7
     #: Readings of ``core.fields`` by key, in base units (per-link ones: every link).
     fields: dict[str, Value] = field(default_factory=dict)
     nvlink_links: int = 0
@@ -385,6 +397,7 @@ def _process(section: Section) -> SimProcess:
         orphan_after=section.get("orphan_after", parse_duration, 2.0),
         churn=section.get("churn", parse_duration, 0.0),
         sm_utilization=section.get("sm_utilization", _RATIO_VALUE, Value(0.0)),
+        mig=section.get("mig", str, ""),
         memory_utilization=section.get("memory_utilization", _RATIO_VALUE, Value(0.0)),
         encoder_utilization=section.get("encoder_utilization", _RATIO_VALUE, Value(0.0)),
         decoder_utilization=section.get("decoder_utilization", _RATIO_VALUE, Value(0.0)),
@@ -484,7 +497,8 @@ def _gpu(section: Section, index: int) -> SimGpu:
         processes=tuple(_process(item) for item in section.sections("processes")),
         errors=_errors(section, ("*", *FIELD_FUNCTIONS)),
         present=present,
-        mig_devices=section.get("mig_devices", _mig_uuids, ()),
+        mig_devices=_mig_devices(section, default_uuid),
+        mig_slots=section.get("mig_slots", whole(1, 64), 7),
         fields=fields,
         nvlink_links=links,
         nvlink_down=down,
@@ -494,8 +508,54 @@ def _gpu(section: Section, index: int) -> SimGpu:
     )
     if gpu.memory_reserved >= gpu.memory_total:
         raise section.error("memory_reserved", "must be less than memory_total")
+    named = {device.uuid for device in gpu.mig_devices}
+    for p, process in enumerate(gpu.processes):
+        if process.mig and process.mig not in named:
+            raise section.error(
+                "processes", f"item {p}: mig {process.mig!r} is none of this GPU's mig_devices"
+            )
     section.done()
     return gpu
+
+
+_GPM_KEYS = frozenset(r.key for r in READINGS.values() if isinstance(r.source, GpmMetric))
+
+
+def _mig_devices(section: Section, parent: str) -> tuple[SimMig, ...]:
+    """``mig_devices``: MIG UUIDs (devices with the defaults), or mappings with ``uuid``,
+    ``profile``, ``gpu_instance``, ``compute_instance``, ``memory_total``, ``memory_used``,
+    ``from``/``until`` and GPM readings under ``fields``."""
+    raw = section.data.get("mig_devices")
+    if isinstance(raw, list) and all(isinstance(item, str) for item in raw):
+        section.get("mig_devices", lambda value: value)
+        if not all(item.startswith("MIG-") for item in raw):
+            raise section.error("mig_devices", "expected MIG device UUIDs (MIG-...) or mappings")
+        raw = [{"uuid": item} for item in raw]
+        section.data = {**section.data, "mig_devices": raw}
+    out = []
+    for n, item in enumerate(section.sections("mig_devices")):
+        uuid = item.get("uuid", str, f"MIG-{parent[len('GPU-') :][:-4]}{n:04x}")
+        if not uuid.startswith("MIG-"):
+            raise item.error("uuid", "a MIG device's UUID starts with MIG-")
+        fields_section = item.section("fields")
+        out.append(
+            SimMig(
+                uuid=uuid,
+                profile=item.get("profile", str, "1g.10gb"),
+                gpu_instance=item.get("gpu_instance", whole(0, 1 << 16), n + 1),
+                compute_instance=item.get("compute_instance", whole(0, 1 << 16), 0),
+                memory_total=item.get("memory_total", parse_size, 10 * 1024**3),
+                memory_used=item.get("memory_used", _SIZE_VALUE, Value(0.0)),
+                window=_window(item),
+                fields=_fields(fields_section, _GPM_KEYS, "a MIG device's fields"),
+            )
+        )
+        fields_section.done()
+        item.done()
+    uuids = [device.uuid for device in out]
+    if len(set(uuids)) != len(uuids):
+        raise section.error("mig_devices", "two MIG devices with one UUID")
+    return tuple(out)
 
 
 #: Readings that have a scenario key of their own already (``power``, ``memory_temperature``,
