@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from exporter.core.procfs import ProcFs
 from exporter.exposition.metrics import render
 from exporter.sampling.collect import Collector
 from exporter.sampling.stats import SelfStats
+from tests.helpers import until
 
 
 def _real_nvml() -> bool:
@@ -199,3 +201,59 @@ def test_real_xid_registration_and_a_quick_stop():
     finally:
         watcher.stop(2.0)
         collector.close()
+
+
+def _hopper_gpus(collector: Collector) -> list[int]:
+    return [g.index for g in collector.sample().gpus if g.info and g.info.gpm_supported]
+
+
+def _gpm_values(collector: Collector, index: int, key: str) -> float | None:
+    """The GPM reading ``key`` of GPU ``index`` in a new sample, once it has one: the samples
+    a fifth of a second apart, a window GPM can average over."""
+    time.sleep(0.2)
+    return collector.sample().gpus[index].fields.get(key)
+
+
+def test_gpm_answers_on_hopper_and_later(real_collector):
+    gpus = _hopper_gpus(real_collector)
+    if not gpus:
+        pytest.skip("no GPU here has GPM (Hopper and later)")
+    for index in gpus:  # from the second sample on
+        sm = until(lambda i=index: _gpm_values(real_collector, i, "sm_active") is not None)
+        assert sm is not None and 0 <= _gpm_values(real_collector, index, "sm_active") <= 1
+    snap = real_collector.sample()
+    assert all(e.field != "gpm" for e in snap.errors), snap.errors
+    for index in gpus:
+        assert 0 <= snap.gpus[index].fields["graphics_engine_active"] <= 1
+
+
+def test_a_matrix_multiplication_shows_tensor_activity(real_collector):
+    pytest.importorskip("torch")
+    gpus = _hopper_gpus(real_collector)
+    if not gpus:
+        pytest.skip("no GPU here has GPM (Hopper and later)")
+    # half-precision matmuls on the first GPM GPU, for up to 30 s: tensor cores at work
+    code = (
+        "import time, torch\n"
+        f"d = torch.device('cuda:{gpus[0]}')\n"
+        "a = torch.randn(8192, 8192, device=d, dtype=torch.float16)\n"
+        "print('ready', flush=True)\n"
+        "end = time.time() + 30\n"
+        "while time.time() < end:\n"
+        "    a = (a @ a).clamp_(-1, 1)\n"
+        "    torch.cuda.synchronize()\n"
+    )
+    env = {**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+        tensor = until(
+            lambda: (_gpm_values(real_collector, gpus[0], "tensor_active") or 0) > 0,
+            "tensor activity on the GPU",
+            timeout=25,
+        )
+        assert tensor
+        assert (_gpm_values(real_collector, gpus[0], "sm_active") or 0) > 0
+    finally:
+        child.kill()
+        child.wait()
