@@ -130,6 +130,31 @@ def test_weighted_needs_only_the_values_of_nonzero_weights():
     assert chosen_indexes(rec) == [0]
 
 
+def test_the_sm_active_weight_prefers_idle_sms_and_falls_back_to_utilization():
+    from exporter.core.snapshot import Readings
+
+    # busy but inefficient (98 % utilization, 10 % of its SMs) against busy and full
+    small_batches = gpu(0, utilization_ratio=0.98, fields=Readings({"sm_active": 0.1}))
+    full = gpu(1, utilization_ratio=0.6, fields=Readings({"sm_active": 0.9}))
+    no_gpm = gpu(2, utilization_ratio=0.3)  # before Hopper: its utilization stands in
+    weights = Weights(free_memory=0, idle=0, sm_active=1)
+    rec = recommend(
+        Policy("p", strategy="weighted", weights=weights, count=3),
+        [snap(small_batches, full, no_gpm)],
+    )
+    assert rec.scores == pytest.approx({"GPU-0": 0.9, "GPU-1": 0.1, "GPU-2": 0.7})
+    assert chosen_indexes(rec) == [0, 2, 1]
+    by_idle = recommend(Policy("p", strategy="weighted", count=2), [snap(small_batches, full)])
+    assert chosen_indexes(by_idle) == [1, 0]  # utilization alone ranks them the other way
+
+
+def test_the_sm_active_weight_is_a_policy_key(tmp_path):
+    text = "policies:\n  shareable:\n    weights: {free_memory: 0.5, idle: 0, sm_active: 0.5}\n"
+    config = parse_recommend(parse_document(text, "c.yaml").root())
+    weights = config.policies["shareable"].weights
+    assert (weights.free_memory, weights.idle, weights.sm_active) == (0.5, 0, 0.5)
+
+
 def test_weighted_needs_total_memory():
     no_total = gpu(0, total=None)
     rec = recommend(Policy("p", strategy="weighted"), [snap(no_total)])

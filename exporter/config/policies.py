@@ -54,6 +54,7 @@ def _parse_weights(policy: Section) -> Weights:
         temperature_headroom=section.get(
             "temperature_headroom", non_negative, _WEIGHTS.temperature_headroom
         ),
+        sm_active=section.get("sm_active", non_negative, _WEIGHTS.sm_active),
     )
     section.done()
     if weights.total <= 0:

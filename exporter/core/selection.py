@@ -19,19 +19,21 @@ rules, in the order they are applied to every GPU of the latest Snapshot:
    idleness, 0 temperature: prefer idle GPUs, as the seeds teach): ``most_free_memory`` = free
    bytes; ``least_utilized`` =
    1 - utilization; ``coolest`` = -temperature; ``weighted`` = (w.free_memory * free/total +
-   w.idle * (1 - utilization) + w.temperature_headroom * headroom) / (sum of the weights), where
-   headroom = clamp((T - temperature) / T, 0, 1) and T is the GPU's slowdown threshold, or 90
-   celsius when unknown. A value the strategy needs that is unknown rejects the GPU
-   (``cannot score: utilization unknown``); a weight of 0 does not need its value.
+   w.idle * (1 - utilization) + w.temperature_headroom * headroom + w.sm_active * (1 - SM
+   activity)) / (sum of the weights), where headroom = clamp((T - temperature) / T, 0, 1) and T
+   is the GPU's slowdown threshold, or 90 celsius when unknown, and SM activity is GPM's
+   ``sm_active`` where the GPU has GPM, else its utilization. A value the strategy needs that
+   is unknown rejects the GPU (``cannot score: utilization unknown``); a weight of 0 does not
+   need its value.
 5. Ranking is by score, best first; ties go to the lowest NVML index (sort key (-score, index)).
    ``chosen`` is the best ``count`` GPUs, or nothing at all when fewer than ``count`` qualify
    (all or nothing: a job never silently gets fewer GPUs than it asked for).
 
-Windowed values: free memory, utilization and temperature are each the mean over those of the
-last ``window`` Snapshots (fewer when fewer exist) in which the GPU (matched by UUID) was up and
-the value known; when none of them has the value, it is unknown. ``window: 1`` (the default)
-therefore uses the latest Snapshot only. Down, throttling and ``exclusive`` use the latest
-Snapshot only.
+Windowed values: free memory, utilization, temperature and SM activity are each the mean over
+those of the last ``window`` Snapshots (fewer when fewer exist) in which the GPU (matched by
+UUID) was up and the value known; when none of them has the value, it is unknown.
+``window: 1`` (the default) therefore uses the latest Snapshot only. Down, throttling and
+``exclusive`` use the latest Snapshot only.
 """
 
 from __future__ import annotations
@@ -67,10 +69,12 @@ class Weights:
     free_memory: float = 0.7  # the seeds' weights: mostly free memory, then idleness
     idle: float = 0.3
     temperature_headroom: float = 0.0
+    #: Idleness of the SMs (GPM's SM activity) where GPM answers, else of the GPU (utilization).
+    sm_active: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.free_memory + self.idle + self.temperature_headroom
+        return self.free_memory + self.idle + self.temperature_headroom + self.sm_active
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,7 @@ class _Means:
     free: float | None
     utilization: float | None
     temperature: float | None
+    sm_active: float | None = None
 
 
 class _Unknown(Exception):
@@ -174,7 +179,12 @@ def _mean(values: list[float]) -> float | None:
 
 
 def _means(uuid: str, snapshots: Sequence[Snapshot], window: int) -> _Means:
-    found: dict[str, list[float]] = {"free": [], "utilization": [], "temperature": []}
+    found: dict[str, list[float]] = {
+        "free": [],
+        "utilization": [],
+        "temperature": [],
+        "sm_active": [],
+    }
     for snapshot in snapshots[-window:]:
         for gpu in snapshot.gpus:
             if gpu.uuid != uuid or not gpu.up:
@@ -183,6 +193,7 @@ def _means(uuid: str, snapshots: Sequence[Snapshot], window: int) -> _Means:
                 ("free", gpu.memory_free_bytes),
                 ("utilization", gpu.utilization_ratio),
                 ("temperature", gpu.temperature_celsius),
+                ("sm_active", gpu.fields.get("sm_active")),
             ):
                 if value is not None and math.isfinite(value):
                     found[key].append(float(value))
@@ -288,6 +299,9 @@ def _weighted(gpu: Gpu, means: _Means, weights: Weights) -> float:
         score += weights.idle * (1.0 - _need(means.utilization, "utilization"))
     if weights.temperature_headroom:
         score += weights.temperature_headroom * _headroom(gpu, means)
+    if weights.sm_active:  # GPM's SM activity where it answers, else utilization
+        busy = means.sm_active if means.sm_active is not None else means.utilization
+        score += weights.sm_active * (1.0 - _need(busy, "utilization"))
     return score / weights.total
 
 
