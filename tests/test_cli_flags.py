@@ -107,6 +107,7 @@ NO_BAD_VALUE = {
     "--version": "prints the version",
     "--json": "a switch without a value",
     "--exclusive": "a switch without a value",
+    "--mig": "a switch without a value",
     "--strict": "a switch without a value",
 }
 #: Where the message names the file the user gave instead of the flag.

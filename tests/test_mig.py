@@ -169,3 +169,100 @@ def test_every_mig_metric_is_in_docs_metrics_md(simulated, collector, clock):
     for name in names:  # GPM's as gpu_mig_* beside their GPU metric's row
         assert f"`{name}`" in doc or f"`gpu_{name[len('gpu_mig_') :]}`" in doc, name
     assert {"gpu_mig_info", "gpu_process_mig_info", "gpu_mig_sm_active_ratio"} <= names
+
+
+# -- choosing MIG devices: recommend, run and /recommend with mig ----------------------------------
+
+#: An H100 in MIG mode: a 3g.40gb device with a job, a 1g.10gb and a 2g.20gb one free.
+MIG_HOST = f"""
+gpus:
+  - name: NVIDIA H100 80GB HBM3
+    mig_devices:
+      - {{uuid: {A}, profile: 3g.40gb, gpu_instance: 1, memory_total: 40GiB}}
+      - {{uuid: {B}, profile: 1g.10gb, gpu_instance: 9, memory_total: 10GiB}}
+      - {{uuid: {C}, profile: 2g.20gb, gpu_instance: 3, memory_total: 20GiB}}
+    processes: [{{pid: self, memory: 4GiB, mig: {A}}}]
+  - name: NVIDIA A100-SXM4-80GB
+"""
+
+
+def test_recommend_with_mig_chooses_a_free_mig_device_with_enough_memory(simulated, collector):
+    from exporter.core.selection import Policy, recommend
+
+    simulated(MIG_HOST)
+    snap = collector.sample()
+    rec = recommend(Policy("p", mig=True, min_free_memory=15 << 30), [snap])
+    assert [c.uuid for c in rec.chosen] == [C]  # the most free memory of those that qualify
+    assert rec.indexes[C] == 0  # the parent's index
+    assert "not exclusive" in rec.rejected[A]  # a MIG device with a process is taken
+    assert "below" in rec.rejected[B]  # 10 GiB
+    assert snap.gpus[1].uuid not in rec.rejected and snap.gpus[1].uuid not in rec.scores
+    whole = recommend(Policy("p"), [snap], locked={C})
+    assert "a MIG device of it is reserved" in whole.rejected[snap.gpus[0].uuid]
+    taken = recommend(Policy("p", mig=True), [snap], locked={C})
+    assert [c.uuid for c in taken.chosen] == [B] and "reserved" in taken.rejected[C]
+
+
+def test_run_with_mig_locks_the_mig_device_and_hands_it_to_the_job(tmp_path):
+    import subprocess
+    import sys
+
+    from exporter.core.locks import held_locks
+    from tests.agent import clean_env
+    from tests.agent import exporter_cli as cli
+    from tests.helpers import until
+
+    scenario, locks = tmp_path / "mig.yaml", tmp_path / "locks"
+    scenario.write_text(MIG_HOST)
+    locks.mkdir()
+    sleeper = (
+        "import os, time; print(os.environ['CUDA_VISIBLE_DEVICES'], flush=True); time.sleep(30)"
+    )
+    args = ("run", "--simulate", str(scenario), "--lock-dir", str(locks), "--mig")
+    first = subprocess.Popen(
+        [sys.executable, "-m", "exporter", *args, "--", sys.executable, "-c", sleeper],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(TMPDIR=str(tmp_path)),
+    )
+    try:
+        assert first.stdout is not None
+        taken = first.stdout.readline().strip()
+        assert taken in (B, C)  # a free MIG device, named to CUDA by its UUID
+        until(lambda: taken in held_locks(str(locks)), "the MIG device's lock")
+        # the next one gets the other free device; then none is left
+        second = cli(
+            *args,
+            "--",
+            sys.executable,
+            "-c",
+            "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])",
+        )
+        assert second.returncode == 0, second.stderr
+        assert second.stdout.strip() == ({B, C} - {taken}).pop()
+        recommended = cli(
+            "recommend", "--simulate", str(scenario), "--lock-dir", str(locks), "--mig"
+        )
+        assert recommended.returncode == 0 and recommended.stdout.strip() in (B, C)
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_the_agents_recommend_takes_mig(tmp_path):
+    import json
+
+    from tests.agent import healthz_until, http_get, serve
+
+    scenario = tmp_path / "mig.yaml"
+    scenario.write_text(MIG_HOST)
+    with serve(tmp_path, "--simulate", str(scenario)) as (agent, port):
+        healthz_until(agent, port)
+        status, body = http_get(f"http://127.0.0.1:{port}/recommend?mig=true&min_free_memory=15GiB")
+        assert status == 200, body
+        assert [c["uuid"] for c in json.loads(body)["chosen"]] == [C]
+        status, body = http_get(f"http://127.0.0.1:{port}/recommend?mig=maybe")
+        assert status == 400 and "mig" in body
+        agent.terminate()
+        agent.wait(timeout=5)

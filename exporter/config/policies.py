@@ -76,6 +76,7 @@ def _parse_policy(name: str, section: Section) -> Policy:
         exclude_unhealthy=section.get("exclude_unhealthy", unhealthy, _DEFAULT.exclude_unhealthy),
         window=section.get("window", whole(1, MAX_WINDOW), 1),
         weights=_parse_weights(section),
+        mig=section.get("mig", boolean, False),
     )
     section.done()
     return policy
@@ -113,6 +114,7 @@ _PARAMS: Mapping[str, Callable[[str], Any]] = MappingProxyType(
         "exclusive": switch,
         "exclude_zombies": switch,
         "exclude_unhealthy": unhealthy,
+        "mig": switch,
     }
 )
 
@@ -121,7 +123,7 @@ def policy_with(policy: Policy, params: Mapping[str, str]) -> Policy:
     """``policy`` with overrides given as strings (HTTP query, CLI flags).
 
     Known parameters: count, min_free_memory (a size like ``8GiB``), max_utilization (0-1),
-    max_temperature (celsius), strategy, exclusive and exclude_zombies (true or false),
+    max_temperature (celsius), strategy, exclusive, exclude_zombies and mig (true or false),
     exclude_unhealthy (true, warning or false). Raises ValueError naming the
     parameter for a bad value or an unknown parameter.
     """

@@ -40,12 +40,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
 from exporter.core.health import CRITICAL, WARNING, Verdict
-from exporter.core.snapshot import Gpu, Snapshot
+from exporter.core.snapshot import Gpu, MigDevice, Snapshot
 from exporter.core.units import format_bytes
 
 STRATEGIES = ("most_free_memory", "least_utilized", "coolest", "weighted")
@@ -96,6 +96,8 @@ class Policy:
     weights: Weights = field(default_factory=Weights)
     #: leave out GPUs whose health verdict is this bad or worse: critical, warning, or off
     exclude_unhealthy: str = "critical"
+    #: choose MIG devices (with no process) of GPUs in MIG mode instead of whole GPUs
+    mig: bool = False
 
 
 def with_default(policies: Mapping[str, Policy]) -> Mapping[str, Policy]:
@@ -226,6 +228,8 @@ def _exclusions(
         reasons.append("thermal throttling")
     if gpu.uuid in locked:
         reasons.append("reserved by a launcher lock")
+    elif any(device.uuid in locked for device in gpu.mig_devices):
+        reasons.append("a MIG device of it is reserved by a launcher lock")
     if policy.exclude_zombies and gpu.uuid in zombies:
         reasons.append(f"zombie holders: {zombies[gpu.uuid]}")
     level = hotspots.get(gpu.uuid, 0)
@@ -357,6 +361,14 @@ def recommend(
     zombie reaper found holding it (``1 orphan``); ``health`` uuid -> health verdict. Ties
     break by lowest NVML index.
     """
+    if policy.mig:
+        snapshots, parents = mig_view(snapshots)
+        hotspots = _for_devices(hotspots, parents)
+        zombies = _for_devices(zombies, parents)
+        health = _for_devices(health, parents)
+        locked = {*locked, *(d for d, parent in parents.items() if parent in locked)}
+        visible = visible_devices(visible, parents)
+        policy = replace(policy, exclusive=True)  # a MIG device is taken whole, by one job
     latest = snapshots[-1].gpus if snapshots else ()
     qualified: list[Choice] = []
     rejected: dict[str, str] = {}
@@ -389,3 +401,70 @@ def recommend(
         scores=MappingProxyType(scores),
         indexes=MappingProxyType(indexes),
     )
+
+
+# -- MIG devices as candidates ------------------------------------------------------------------
+
+
+def mig_view(snapshots: Sequence[Snapshot]) -> tuple[list[Snapshot], dict[str, str]]:
+    """``snapshots`` with each GPU in MIG mode replaced by its MIG devices, as GPUs (a device's
+    UUID, memory, GPM activity, processes and launcher lock; its GPU's index, model, temperature,
+    clocks and state), and the other GPUs left out; and MIG UUID -> its GPU's UUID."""
+    parents: dict[str, str] = {}
+    out = []
+    for snapshot in snapshots:
+        gpus = []
+        for gpu in snapshot.gpus:
+            for device in gpu.mig_devices:
+                parents[device.uuid] = gpu.uuid
+                gpus.append(_as_gpu(gpu, device))
+        out.append(replace(snapshot, gpus=tuple(gpus)))
+    return out, parents
+
+
+def _as_gpu(gpu: Gpu, device: MigDevice) -> Gpu:
+    processes = tuple(p for p in gpu.processes or () if device.uuid in p.mig_uuids)
+    info = gpu.info
+    if info is not None:
+        name = f"{info.name} MIG {device.profile}".strip()
+        info = replace(
+            info, uuid=device.uuid, name=name, memory_total_bytes=device.memory_total_bytes
+        )
+    busy = device.fields.get("graphics_engine_active")
+    if busy is None and gpu.processes is not None and not processes:
+        busy = 0.0  # nothing runs on it
+    return replace(
+        gpu,
+        uuid=device.uuid,
+        info=info,
+        memory_used_bytes=device.memory_used_bytes,
+        memory_free_bytes=device.memory_free_bytes,
+        utilization_ratio=busy,
+        fields=device.fields,
+        processes=processes if gpu.processes is not None else None,
+        mig_devices=(),
+        reserved_by=device.reserved_by,
+        reserved_by_user=device.reserved_by_user,
+    )
+
+
+def _for_devices(by_gpu: Mapping[str, Any], parents: Mapping[str, str]) -> Mapping[str, Any]:
+    """A mapping by GPU UUID extended to each GPU's MIG devices (hotspots, health, zombies)."""
+    return {**by_gpu, **{d: by_gpu[p] for d, p in parents.items() if p in by_gpu}}
+
+
+def visible_devices(visible: Collection[str] | None, parents: Mapping[str, str]) -> set[str] | None:
+    """The MIG devices ``visible`` shows: those it names (``CUDA_VISIBLE_DEVICES=MIG-...``),
+    and all of a GPU it names whole. ``visible`` is a collection of UUIDs, or a mapping of
+    GPU UUIDs to what names them to CUDA (a GPU's UUID or one of its MIG devices')."""
+    if visible is None:
+        return None
+    named = set(visible) | (set(visible.values()) if isinstance(visible, Mapping) else set())
+    whole = {
+        p for p in set(parents.values()) & named if not any(d in named for d in _of(p, parents))
+    }
+    return {device for device, parent in parents.items() if device in named or parent in whole}
+
+
+def _of(parent: str, parents: Mapping[str, str]) -> list[str]:
+    return [device for device, owner in parents.items() if owner == parent]

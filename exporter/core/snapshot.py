@@ -167,6 +167,9 @@ class MigDevice:
     memory_free_bytes: int | None = None
     #: GPM readings of its GPU instance (``core.fields``' GPM keys), where GPM supports MIG.
     fields: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
+    #: PID that took its launcher lock, and its user (as ``Gpu.reserved_by``).
+    reserved_by: int | None = None
+    reserved_by_user: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,8 +22,14 @@ from exporter.core.health import assess
 from exporter.core.locks import LockDir, LockError, Reservation, lock_name, try_lock
 from exporter.core.nvml import Nvml
 from exporter.core.procfs import ProcFs
-from exporter.core.selection import Policy, Recommendation, recommend
-from exporter.core.snapshot import Gpu, Snapshot
+from exporter.core.selection import (
+    Policy,
+    Recommendation,
+    mig_view,
+    recommend,
+    visible_devices,
+)
+from exporter.core.snapshot import Gpu, MigDevice, Snapshot
 from exporter.core.units import format_bytes
 from exporter.core.visible import visible_uuids
 from exporter.launcher.errors import (
@@ -169,6 +175,11 @@ def choose(
     health = assess(snapshots)
     recommendation = recommend(policy, snapshots, locked=locked, visible=visible, health=health)
     recommendation = with_reasons(recommendation, _refused(unusable))
+    if policy.mig:  # MIG devices are the candidates: each names itself to CUDA
+        (view,), parents = mig_view([latest])
+        shown = visible_devices(visible, parents)
+        never = impossible(policy, view.gpus, shown, "MIG device(s)")
+        return Choosing(recommendation, note, {d: d for d in parents}, never)
     return Choosing(recommendation, note, visible or {}, impossible(policy, latest.gpus, visible))
 
 
@@ -182,9 +193,11 @@ def _reserved(snapshot: Snapshot, mine: int = -1, ours: Collection[str] = ()) ->
     ``ours``, whose locks this process holds: a lock whose holder is not visible here (reserved by
     ``UNKNOWN_HOLDER``, the mark of our own lock when ``/proc/locks`` is unreadable) cannot be
     another's on those, since we hold their ``flock``."""
+    taken: list[Gpu | MigDevice] = [*snapshot.gpus]
+    taken += [device for gpu in snapshot.gpus for device in gpu.mig_devices]
     return {
         g.uuid: "reserved by a launcher lock"
-        for g in snapshot.gpus
+        for g in taken
         if g.uuid and g.reserved_by is not None and g.reserved_by != mine and g.uuid not in ours
     }
 
@@ -202,17 +215,20 @@ def with_reasons(recommendation: Recommendation, reasons: Mapping[str, str]) -> 
     return replace(recommendation, rejected=rejected)
 
 
-def impossible(policy: Policy, gpus: Sequence[Gpu], visible: Collection[str] | None) -> str:
+def impossible(
+    policy: Policy, gpus: Sequence[Gpu], visible: Collection[str] | None, what: str = "GPU(s)"
+) -> str:
     """Why no ``policy.count`` GPUs of ``gpus`` could ever qualify, whatever runs on them ("" when
     some could): the host has too few, ``CUDA_VISIBLE_DEVICES`` shows too few, or too few have
-    ``min_free_memory`` of memory in all. A GPU whose total memory is unknown could."""
+    ``min_free_memory`` of memory in all. A GPU whose total memory is unknown could. ``what``
+    they are, for the message (``MIG device(s)``)."""
     count, here = policy.count, len(gpus)
     shown = [g for g in gpus if visible is None or g.uuid in visible]
     if here < count:
-        return f"{count} GPU(s) asked for, and this host has {here}"
+        return f"{count} {what} asked for, and this host has {here}"
     if len(shown) < count:
         return (
-            f"{count} GPU(s) asked for, and CUDA_VISIBLE_DEVICES shows {len(shown)} of this "
+            f"{count} {what} asked for, and CUDA_VISIBLE_DEVICES shows {len(shown)} of this "
             f"host's {here}"
         )
     need = policy.min_free_memory
@@ -222,8 +238,8 @@ def impossible(policy: Policy, gpus: Sequence[Gpu], visible: Collection[str] | N
     big = sum(t is not None and t >= need for t in totals)
     largest = max((t for t in totals if t is not None), default=None)
     return (
-        f"{count} GPU(s) with {format_bytes(need)} free asked for, and {big} of the "
-        f"{len(shown)} GPU(s) it may use have that much memory in all "
+        f"{count} {what} with {format_bytes(need)} free asked for, and {big} of the "
+        f"{len(shown)} {what} it may use have that much memory in all "
         f"(the largest: {format_bytes(largest)})"
     )
 
@@ -233,8 +249,10 @@ def _total(gpu: Gpu) -> int | None:
 
 
 def devices(snapshot: Snapshot, choosing: Choosing) -> list[Device]:
-    """The chosen GPUs as Devices, in the order chosen."""
+    """The chosen GPUs (or MIG devices) as Devices, in the order chosen."""
     by_uuid = {g.uuid: g for g in snapshot.gpus}
+    if choosing.recommendation.policy.mig:
+        by_uuid = {g.uuid: g for g in mig_view([snapshot])[0][0].gpus}
     out = []
     for choice in choosing.recommendation.chosen:
         gpu = by_uuid[choice.uuid]
@@ -361,7 +379,7 @@ class _Search:
         everyone = visible is None and not excluded
         asked = None if everyone else ",".join(u for u in shown if u not in excluded)
         recommendation = with_reasons(advisor(asked), excluded)
-        here = {g.uuid for g in latest.gpus}
+        here = {g.uuid for g in latest.gpus} | {d.uuid for g in latest.gpus for d in g.mig_devices}
         foreign = [c.uuid for c in recommendation.chosen if c.uuid not in here]
         if foreign:
             raise LauncherError(

@@ -88,6 +88,7 @@ def policy_for(
     exclusive: bool | None = None,
     strategy: str | None = None,
     exclude_unhealthy: bool | str | None = None,
+    mig: bool | None = None,
 ) -> Policy:
     """The named policy (from ``config``'s ``actions.recommend.policies``) with overrides.
 
@@ -102,6 +103,7 @@ def policy_for(
         "exclusive": exclusive,
         "strategy": strategy,
         "exclude_unhealthy": exclude_unhealthy,
+        "mig": mig,
     }
     with _launch_errors():
         policies = load_config(config, actions=recommend_policies).actions

@@ -61,6 +61,7 @@ _FLAGS = {
     "strategy": "--strategy",
     "exclusive": "--exclusive",
     "exclude_unhealthy": "--exclude-unhealthy",
+    "mig": "--mig",
 }
 #: What ``run --from`` checks here, under the lock, of the GPUs the agent chose: up, not
 #: throttling, not locked by another launcher, and the filter flags given. Its count is the
@@ -113,6 +114,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, str]:
     }
     if args.exclusive:
         overrides["exclusive"] = "true"
+    if args.mig:
+        overrides["mig"] = "true"
     return overrides
 
 

@@ -31,6 +31,11 @@ def add_selection_flags(parser: argparse.ArgumentParser) -> None:
         "--exclusive", action="store_true", help="only GPUs with no process of any user on them"
     )
     parser.add_argument(
+        "--mig",
+        action="store_true",
+        help="a MIG device with no process (of a GPU in MIG mode) instead of a whole GPU",
+    )
+    parser.add_argument(
         "--exclude-unhealthy",
         metavar="true|warning|false",
         help="leave out GPUs whose health verdict is critical (true, the default), warning or "

@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TypeVar
 
 from exporter.core.activity import IdleTimes
 from exporter.core.locks import UNKNOWN_HOLDER, LockError, held_locks, provision
@@ -38,6 +39,8 @@ from exporter.core.xid import XidLog
 from exporter.sampling.events import XidWatcher
 
 log = logging.getLogger(__name__)
+#: What a launcher lock can reserve: a GPU, or one of its MIG devices.
+GpuOrDevice = TypeVar("GpuOrDevice", Gpu, MigDevice)
 
 
 class Collector:
@@ -104,7 +107,7 @@ class Collector:
                 self._lost(exc, errors, started)
         if self.lock_dir and gpus:
             holders = held_locks(self.lock_dir, self.procfs.root)
-            gpus = tuple(self._reserved(g, holders.get(g.uuid)) for g in gpus)
+            gpus = tuple(self._reserved(g, holders.get(g.uuid), holders) for g in gpus)
         if self.xids is not None:
             gpus = self._with_xids(gpus, self.xids.xids)
         self._idle.end_sample()
@@ -206,10 +209,15 @@ class Collector:
         else:
             self._reread.pop(index, None)
 
-    def _reserved(self, gpu: Gpu, holder: int | None) -> Gpu:
-        """``gpu`` with the launcher lock's holder and its user (when visible here); reserved by
-        ``UNKNOWN_HOLDER`` (0), with no user, when the lock is held by a process not visible
-        from this PID namespace."""
+    def _reserved(
+        self, gpu: GpuOrDevice, holder: int | None, holders: dict[str, int] | None = None
+    ) -> GpuOrDevice:
+        """``gpu`` (and each of its MIG devices, by ``holders``) with the launcher lock's
+        holder and its user (when visible here); reserved by ``UNKNOWN_HOLDER`` (0), with no
+        user, when the lock is held by a process not visible from this PID namespace."""
+        if holders and isinstance(gpu, Gpu) and any(d.uuid in holders for d in gpu.mig_devices):
+            devices = tuple(self._reserved(d, holders.get(d.uuid)) for d in gpu.mig_devices)
+            gpu = replace(gpu, mig_devices=devices)
         if holder is None:
             return gpu
         if holder == UNKNOWN_HOLDER:

@@ -83,7 +83,7 @@ _LANDING = """<!doctype html>
 <li><a href="health/gpus">/health/gpus</a>: each GPU's health verdict as JSON
 (<code>?gpu=INDEX|UUID</code>, repeatable)</li>
 <li><a href="recommend">/recommend</a>: the GPUs to use now
-(<code>?policy=NAME&amp;count=N&amp;min_free_memory=8GiB&amp;max_utilization=0.1&amp;max_temperature=80&amp;exclusive=true&amp;visible=0,1</code>)</li>
+(<code>?policy=NAME&amp;count=N&amp;min_free_memory=8GiB&amp;max_utilization=0.1&amp;max_temperature=80&amp;exclusive=true&amp;mig=false&amp;visible=0,1</code>)</li>
 </ul></body></html>
 """
 
@@ -414,6 +414,7 @@ RECOMMEND_PARAMS = frozenset(
         "strategy",
         "exclusive",
         "exclude_unhealthy",
+        "mig",
         "visible",
     }
 )
