@@ -209,6 +209,10 @@ def scenario_yaml(pids: list[list[int]], uuids: list[str], call_latency: str) ->
             f"    fan_speed: {{base: 0.5, amplitude: 0.2, period: {45 + g % 3}s}}",
             f"    clocks_mhz: {{sm: {{base: 1600, amplitude: 150, period: {12 + g % 9}s}}}}",
             "    nvlink: {links: 18}",  # an H100 SXM's: 18 links in the one field-value call
+            # Hopper's GPU Performance Monitoring: SM and tensor activity, two calls a sample
+            "    gpm: true",
+            f"    fields: {{sm_active: {{base: 0.4, amplitude: 0.3, period: {20 + g % 11}s}}, "
+            "tensor_active: 0.3}",
             # Ampere and newer remap rows instead of retiring pages: not counted as families
             "    unsupported: [retired_pages_single_bit, retired_pages_double_bit, "
             "retired_pages_pending]",
