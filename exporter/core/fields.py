@@ -226,10 +226,28 @@ _GPM_RATES = (
         "NVLink, all links, read",
     ),
 )
+_SINCE = "since the previous sample, from GPM"
 _GPM_ABSENT = (
     "GPUs without GPM (gpu_gpm_supported 0: before Hopper, most consumer GPUs), GPUs whose "
     "GPM lacks the metric, the first sample after start, while the counters are busy"
 )
+
+
+def _gpm(
+    key: str, metric: str, number: int, constant: str, doc: str, unit: str, scale: float
+) -> Reading:
+    """A GPM reading from NVML's ``NVML_GPM_METRIC_<constant>`` (``number``)."""
+    return Reading(
+        key,
+        metric,
+        "gauge",
+        doc,
+        unit,
+        GpmMetric(number, "NVML_GPM_METRIC_" + constant),
+        scale,
+        absent=_GPM_ABSENT,
+    )
+
 
 READINGS: tuple[Reading, ...] = (
     # -- power and temperature -------------------------------------------------------------
@@ -668,30 +686,12 @@ READINGS: tuple[Reading, ...] = (
     ),
     # -- GPU Performance Monitoring: between this sample and the previous one ---------------
     *(
-        Reading(
-            key,
-            metric,
-            "gauge",
-            f"{what} since the previous sample, from GPM (0-1).",
-            "0-1",
-            GpmMetric(number, "NVML_GPM_METRIC_" + constant),
-            _PERCENT,
-            absent=_GPM_ABSENT,
-        )
-        for key, metric, number, constant, what in _GPM_ACTIVITIES
+        _gpm(key, metric, n, constant, f"{what} {_SINCE} (0-1).", "0-1", _PERCENT)
+        for key, metric, n, constant, what in _GPM_ACTIVITIES
     ),
     *(
-        Reading(
-            key,
-            metric,
-            "gauge",
-            f"Bytes a second over {what}, since the previous sample, from GPM.",
-            "bytes/s",
-            GpmMetric(number, "NVML_GPM_METRIC_" + constant),
-            _MIB,
-            absent=_GPM_ABSENT,
-        )
-        for key, metric, number, constant, what in _GPM_RATES
+        _gpm(key, metric, n, constant, f"Bytes a second over {what}, {_SINCE}.", "bytes/s", _MIB)
+        for key, metric, n, constant, what in _GPM_RATES
     ),
 )
 
