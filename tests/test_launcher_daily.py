@@ -366,7 +366,7 @@ def _flags(command: str) -> set[str]:
 
 
 SELECTION = {"--count", "--policy", "--min-free-memory", "--max-utilization", "--max-temperature"}
-SELECTION |= {"--strategy", "--exclusive", "--exclude-unhealthy", "--from"}
+SELECTION |= {"--strategy", "--exclusive", "--mig", "--exclude-unhealthy", "--from"}
 SETTINGS = {"-h", "--help", "--config", "--simulate", "--proc", "--lock-dir"}
 
 
