@@ -787,6 +787,33 @@ HEALTH: list[Panel] = [
 HAS_GPM = f"on ({GPU_KEY}) {sel('gpu_gpm_supported')} == 1"
 GPM_NO_YES = mapping((0, "no", "text"), (1, "yes", "green"))
 
+# MIG devices (docs/metrics.md#mig): every series has the parent GPU's gpu and uuid, and mig_uuid.
+MIG_KEY = f"{GPU_KEY}, mig_uuid"
+MIG_INFO = sel("gpu_mig_info")
+MIG_LEGEND = GPU_LEGEND + " {{profile}} {{mig_uuid}}"
+
+
+def with_profile(expr: str) -> str:
+    """``expr`` (per MIG device) with the device's profile joined in from gpu_mig_info."""
+    return f"({expr}) * on ({MIG_KEY}) group_left (profile) {MIG_INFO}"
+
+
+def per_mig(metric: str) -> str:
+    """``metric`` of each MIG device with only its labels and profile, for tables that merge."""
+    return f"max by ({MIG_KEY}, profile) ({with_profile(sel(metric))})"
+
+
+#: MIG devices: (column, query, unit); the first query is the device itself, so that every MIG
+#: device has a row, whatever it lacks.
+MIG_COLUMNS: list[tuple[str, str, str]] = [
+    ("device", f"max by ({MIG_KEY}, profile) ({MIG_INFO})", "none"),
+    ("memory used", per_mig("gpu_mig_memory_used_bytes"), "bytes"),
+    ("memory total", per_mig("gpu_mig_memory_total_bytes"), "bytes"),
+    ("SM active", per_mig("gpu_mig_sm_active_ratio"), "percentunit"),
+    ("tensor active", per_mig("gpu_mig_tensor_active_ratio"), "percentunit"),
+]
+_MIG_VALUES = [f"Value #{chr(ord('A') + i)}" for i in range(len(MIG_COLUMNS))]
+
 TRUE_UTILIZATION: list[Panel] = [
     timeseries(
         601,
@@ -870,6 +897,40 @@ TRUE_UTILIZATION: list[Panel] = [
         mappings={"GPM": GPM_NO_YES},
         w=20,
         h=6,
+    ),
+    table(
+        607,
+        "MIG devices",
+        [query for _, query, _ in MIG_COLUMNS],
+        ["instance", "gpu", "mig_uuid", "profile", *_MIG_VALUES[1:]],
+        "Every MIG device of the selected GPUs in MIG mode (gpu_mig_info), now: its profile, its "
+        "memory in use and its total (its own: what the GPU's other MIG devices have free is not "
+        "available to it), and the share of the SMs at work and of the time the tensor cores ran "
+        "in its GPU instance, from GPM (Hopper and newer, from the agent's second sample on; the "
+        "compute instances of a GPU instance share it). Empty: no selected GPU is in MIG mode.",
+        hide=["uuid", _MIG_VALUES[0]],
+        rename=dict(zip(_MIG_VALUES, [c for c, _, _ in MIG_COLUMNS], strict=True)),
+        unit="bytes",
+        units={c: u for c, _, u in MIG_COLUMNS[3:]},
+        w=14,
+    ),
+    timeseries(
+        608,
+        "MIG device memory used",
+        [
+            target(
+                with_profile(
+                    f"{sel('gpu_mig_memory_used_bytes')}"
+                    f" / on ({MIG_KEY}) {sel('gpu_mig_memory_total_bytes')}"
+                ),
+                MIG_LEGEND,
+            ),
+        ],
+        "percentunit",
+        "Fraction of each MIG device's memory in use; the GpuMigMemoryNearlyFull alert fires "
+        "above 95 % for 15 minutes. Only GPUs in MIG mode.",
+        w=10,
+        min_value=0,
     ),
 ]
 

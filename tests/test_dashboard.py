@@ -84,6 +84,14 @@ REQUIRED = [
     ("NVLink bandwidth (GPM)", "timeseries", "binBps", "gpu_nvlink_receive_bytes_per_second"),
     ("GPUs with GPM", "stat", "none", "gpu_gpm_supported"),
     ("GPM support per GPU", "table", None, "gpu_gpm_supported"),
+    ("MIG devices", "table", "bytes", "gpu_mig_info"),
+    ("MIG devices", "table", "bytes", "gpu_mig_memory_used_bytes"),
+    ("MIG devices", "table", "bytes", "gpu_mig_memory_total_bytes"),
+    ("MIG devices", "table", "bytes", "gpu_mig_sm_active_ratio"),
+    ("MIG devices", "table", "bytes", "gpu_mig_tensor_active_ratio"),
+    ("MIG device memory used", "timeseries", "percentunit", "gpu_mig_memory_used_bytes"),
+    ("MIG device memory used", "timeseries", "percentunit", "gpu_mig_memory_total_bytes"),
+    ("MIG device memory used", "timeseries", "percentunit", "gpu_mig_info"),
     ("GPU processes", "table", "bytes", "gpu_process_memory_used_bytes"),
     ("GPU processes", "table", "bytes", "gpu_process_sm_utilization_ratio"),
     ("SM utilization by process", "timeseries", "percentunit", "gpu_process_sm_utilization_ratio"),
@@ -266,8 +274,20 @@ def test_every_target_has_ref_and_expr(dashboard: dict[str, Any]) -> None:
                 assert "{{instance}}" in target["legendFormat"], panel["title"]
 
 
+def documented_metrics() -> set[str]:
+    """The metrics docs/metrics.md names, and the MIG devices' GPM metrics, which it names as
+    "every other GPM metric of the readings as `gpu_mig_*`": gpu_mig_X for each GPM reading
+    gpu_X of its readings table."""
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    documented = set(re.findall(METRIC, text))
+    assert "every other GPM metric of [the readings](#readings) as `gpu_mig_*`" in text
+    gpm = re.findall(r"^\| `gpu_(\w+)` \|.*\| GPM metric `NVML_GPM_METRIC_", text, re.MULTILINE)
+    assert "sm_active_ratio" in gpm and "tensor_active_ratio" in gpm  # the extraction works
+    return documented | {f"gpu_mig_{name}" for name in gpm}
+
+
 def test_every_metric_is_documented(dashboard: dict[str, Any]) -> None:
-    documented = set(re.findall(METRIC, (ROOT / "docs" / "metrics.md").read_text()))
+    documented = documented_metrics()
     for panel in panels(dashboard):
         for target in panel["targets"]:
             for name in metric_names(target["expr"]):
@@ -418,14 +438,15 @@ def test_health_queries(dashboard: dict[str, Any]) -> None:
 def test_true_utilization_queries(dashboard: dict[str, Any]) -> None:
     found = by_title(dashboard)
     gpm = rows(dashboard)["True utilization"]
-    assert {p["title"] for p in gpm} == {
+    assert [p["title"] for p in gpm] == [
         "SM and tensor activity vs utilization",
         "DRAM bandwidth utilization",
         "PCIe bandwidth (GPM)",
         "NVLink bandwidth (GPM)",
         "GPUs with GPM",
         "GPM support per GPU",
-    }
+        *MIG_PANELS,
+    ]
     # GPM metrics are gauges (the average between two samples): shown as they are, no rate().
     for panel in gpm:
         for target in panel["targets"]:
@@ -455,6 +476,45 @@ def test_true_utilization_queries(dashboard: dict[str, Any]) -> None:
     assert level["matcher"] == {"id": "byName", "options": "GPM"}
     (states,) = level["properties"][0]["value"]
     assert {int(v): o["text"] for v, o in states["options"].items()} == {0: "no", 1: "yes"}
+
+
+#: The True utilization row's panels of MIG devices (docs/metrics.md#mig), last in the row.
+MIG_PANELS = ["MIG devices", "MIG device memory used"]
+#: Labels of a MIG device's series, and the profile joined in from gpu_mig_info.
+MIG_KEY = "instance, gpu, uuid, mig_uuid"
+MIG_JOIN = f" * on ({MIG_KEY}) group_left (profile) gpu_mig_info{{"
+
+
+def test_mig_queries(dashboard: dict[str, Any]) -> None:
+    found = by_title(dashboard)
+    devices = found["MIG devices"]
+    info, *values = (t["expr"] for t in devices["targets"])
+    # One row per MIG device: the device itself first, then its values, each with only the
+    # device's labels and profile (so that the merge makes one row of them).
+    assert info.startswith(f"max by ({MIG_KEY}, profile) (gpu_mig_info{{")
+    assert metric_names(info) == {"gpu_mig_info"}
+    assert [metric_names(e) for e in values] == [
+        {"gpu_mig_memory_used_bytes", "gpu_mig_info"},
+        {"gpu_mig_memory_total_bytes", "gpu_mig_info"},
+        {"gpu_mig_sm_active_ratio", "gpu_mig_info"},
+        {"gpu_mig_tensor_active_ratio", "gpu_mig_info"},
+    ]
+    for expr in values:
+        assert expr.startswith(f"max by ({MIG_KEY}, profile) ("), expr
+        assert MIG_JOIN in expr, expr
+    # GPM metrics are gauges: shown as they are.
+    assert not any("rate(" in e for e in values)
+    (used,) = found["MIG device memory used"]["targets"]
+    assert metric_names(used["expr"]) == {
+        "gpu_mig_memory_used_bytes",
+        "gpu_mig_memory_total_bytes",
+        "gpu_mig_info",
+    }
+    assert used["expr"].startswith("(gpu_mig_memory_used_bytes{")
+    assert f"}} / on ({MIG_KEY}) gpu_mig_memory_total_bytes{{" in used["expr"]
+    assert MIG_JOIN in used["expr"]
+    assert used["legendFormat"] == GPU_LEGEND + " {{profile}} {{mig_uuid}}"
+    assert found["MIG device memory used"]["fieldConfig"]["defaults"]["min"] == 0
 
 
 def test_panel_ids_follow_their_row(dashboard: dict[str, Any]) -> None:
@@ -487,6 +547,11 @@ def test_tables(dashboard: dict[str, Any]) -> None:
         ("Down NVLink links", 1, ["instance", "gpu", "uuid", "link"]),
         ("Failing health checks now", 1, ["instance", "gpu", "uuid", "check", "Value"]),
         ("GPM support per GPU", 1, ["instance", "gpu", "uuid", "name", "Value"]),
+        (
+            "MIG devices",
+            5,
+            ["instance", "gpu", "mig_uuid", "profile", *(f"Value #{r}" for r in "BCDE")],
+        ),
     ]:
         panel = found[title]
         assert len(panel["targets"]) == queries, title
@@ -527,6 +592,24 @@ def test_tables(dashboard: dict[str, Any]) -> None:
         mapped["recovery action"] == found["Recovery action"]["fieldConfig"]["defaults"]["mappings"]
     )
     assert {"row remap pending", "row remap failed", "unrepairable"} <= set(mapped)
+    mig = found["MIG devices"]["transformations"][-1]["options"]
+    assert mig["renameByName"] == {
+        "Value #A": "device",
+        "Value #B": "memory used",
+        "Value #C": "memory total",
+        "Value #D": "SM active",
+        "Value #E": "tensor active",
+    }
+    # The parent GPU's UUID is in the GPUs table; the device query's 1 says nothing.
+    assert {"uuid", "Value #A"} <= set(mig["excludeByName"])
+    assert found["MIG devices"]["fieldConfig"]["defaults"]["unit"] == "bytes"
+    assert {
+        o["matcher"]["options"]: o["properties"]
+        for o in found["MIG devices"]["fieldConfig"]["overrides"]
+    } == {
+        "SM active": [{"id": "unit", "value": "percentunit"}],
+        "tensor active": [{"id": "unit", "value": "percentunit"}],
+    }
     failing = found["Failing health checks now"]
     assert failing["transformations"][-1]["options"]["renameByName"] == {"Value": "level"}
     assert failing["options"]["sortBy"] == [{"desc": True, "displayName": "level"}]
@@ -810,6 +893,7 @@ def test_true_utilization_row_on_a_real_prometheus(tmp_path: Path) -> None:
     queries = {
         (panel["title"], target["refId"]): substitute(target["expr"])
         for panel in panels
+        if panel["title"] not in MIG_PANELS  # no MIG in the built-in scenario: see below
         for target in panel["targets"]
     }
     assert {(title, ref) for title, ref, *_ in GPM_VALUES} == set(queries)
@@ -821,6 +905,98 @@ def test_true_utilization_row_on_a_real_prometheus(tmp_path: Path) -> None:
             deadline = time.monotonic() + 45
             while (problems := _gpm_problems(port, queries)) and time.monotonic() < deadline:
                 time.sleep(1)
+        assert "Traceback" not in stderr_of(agent)
+    log = (tmp_path / "prometheus.log").read_text()[-3000:]
+    assert not problems, "\n".join(problems) + "\n--- prometheus.log\n" + log
+
+
+# --- the True utilization row's MIG panels on a real Prometheus -----------------------------------
+
+MIG_A = "MIG-aaaaaaaa-0000-4000-8000-000000000001"
+MIG_B = "MIG-bbbbbbbb-0000-4000-8000-000000000002"
+#: GPU 0 an H100 in MIG mode with two MIG devices (A nearly full, B with the agent itself on it:
+#: its memory counts on B), GPU 1 a GPU without MIG (docs/simulate.md#mig).
+MIG_SCENARIO = f"""
+gpus:
+  - name: NVIDIA H100 80GB HBM3
+    gpm: true
+    mig_devices:
+      - {{uuid: {MIG_A}, profile: 3g.40gb, gpu_instance: 1, memory_total: 40GiB,
+         memory_used: 39GiB, fields: {{sm_active: 0.6, tensor_active: 0.3}}}}
+      - {{uuid: {MIG_B}, profile: 1g.10gb, gpu_instance: 9, memory_total: 10GiB,
+         fields: {{sm_active: 0.2}}}}
+    processes:
+      - {{pid: self, memory: 4GiB, mig: {MIG_B}}}
+  - {{}}
+"""
+GIB = 1024**3
+#: Each MIG device's profile: every query of the MIG panels returns these devices (of GPU 0),
+#: and no other series, each with its profile joined in from gpu_mig_info.
+MIG_DEVICES = {MIG_A: "3g.40gb", MIG_B: "1g.10gb"}
+#: What the MIG panels show for MIG_SCENARIO: (panel title, refId, MIG device, value).
+MIG_VALUES: list[tuple[str, str, str, float]] = [
+    ("MIG devices", "A", MIG_A, 1),
+    ("MIG devices", "A", MIG_B, 1),
+    ("MIG devices", "B", MIG_A, 39 * GIB),
+    ("MIG devices", "B", MIG_B, 4 * GIB),  # its own 0, and the process on it
+    ("MIG devices", "C", MIG_A, 40 * GIB),
+    ("MIG devices", "C", MIG_B, 10 * GIB),
+    ("MIG devices", "D", MIG_A, 0.6),  # GPM: from the agent's second sample on
+    ("MIG devices", "D", MIG_B, 0.2),
+    ("MIG devices", "E", MIG_A, 0.3),
+    ("MIG devices", "E", MIG_B, 0),
+    ("MIG device memory used", "A", MIG_A, 39 / 40),
+    ("MIG device memory used", "A", MIG_B, 0.4),
+]
+
+
+def _mig_problems(port: int, targets: dict[tuple[str, str], str]) -> list[str]:
+    """What the MIG panels' queries answer now unlike MIG_VALUES: other series than the MIG
+    devices of GPU 0 with their profile, a value that differs."""
+    problems = []
+    results = {key: prom_query(port, expr) for key, expr in targets.items()}
+    for (title, ref), result in results.items():
+        devices = sorted(
+            (r["metric"].get("gpu"), r["metric"].get("mig_uuid"), r["metric"].get("profile"))
+            for r in result
+        )
+        expected = sorted(("0", mig, profile) for mig, profile in MIG_DEVICES.items())
+        if devices != expected:
+            problems.append(f"{title} {ref}: {devices}, expected {expected}: {targets[title, ref]}")
+    for title, ref, mig, value in MIG_VALUES:
+        found = [
+            float(r["value"][1]) for r in results[title, ref] if r["metric"].get("mig_uuid") == mig
+        ]
+        # 1e-9: the simulation's floating point (0.6 may come back as 0.5999999999999999)
+        if len(found) != 1 or abs(found[0] - value) > 1e-9 * (1 + value):
+            problems.append(f"{title} {ref} {mig}: {found}, expected {value}")
+    return problems
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(PROMETHEUS is None, reason="needs Debian's prometheus (test.sh installs it)")
+def test_mig_panels_on_a_real_prometheus(tmp_path: Path) -> None:
+    """The agent on MIG_SCENARIO, scraped by a real Prometheus: every query of the True
+    utilization row's MIG panels returns the two MIG devices of GPU 0, with their profile, and
+    the memory and GPM values the scenario gives them."""
+    panels = [p for p in rows(load(DASHBOARD))["True utilization"] if p["title"] in MIG_PANELS]
+    assert [p["title"] for p in panels] == MIG_PANELS
+    queries = {
+        (panel["title"], target["refId"]): substitute(target["expr"])
+        for panel in panels
+        for target in panel["targets"]
+    }
+    assert {(title, ref) for title, ref, *_ in MIG_VALUES} == set(queries)
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text(MIG_SCENARIO)
+    simulate = ["--simulate", str(scenario), "--interval", "0.5", "--lock-dir", str(tmp_path)]
+    with serve(tmp_path, *simulate) as (agent, agent_port):
+        healthz_until(agent, agent_port)
+        with prometheus(tmp_path, f"127.0.0.1:{agent_port}") as port:
+            # GPM is there from the agent's second sample on, in the scrape after it.
+            deadline = time.monotonic() + 45
+            while (problems := _mig_problems(port, queries)) and time.monotonic() < deadline:
+                time.sleep(0.5)
         assert "Traceback" not in stderr_of(agent)
     log = (tmp_path / "prometheus.log").read_text()[-3000:]
     assert not problems, "\n".join(problems) + "\n--- prometheus.log\n" + log

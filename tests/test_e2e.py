@@ -58,9 +58,29 @@ gpus:
     + """
   # GPU 4: neither hot, nor held by a zombie, nor unhealthy: there is always one to recommend
   # (GPU 0 is a hotspot a while, GPU 1 is left out once its orphan is found, GPUs 2 and 3 are
-  # critical by the health verdict)
+  # critical by the health verdict). It has GPM, for the True utilization row.
   - name: NVIDIA H100 80GB HBM3
     temperature: 40
+    gpm: true
+    fields:
+      sm_active: 0.4
+      tensor_active: 0.2
+      dram_active: 0.3
+      pcie_transmit_rate: 1e9
+      pcie_receive_rate: 2e9
+      nvlink_transmit_rate: 3e9
+      nvlink_receive_rate: 3e9
+  # GPU 5: in MIG mode, one job on one of its two MIG devices, for the MIG panels
+  - name: NVIDIA H100 80GB HBM3
+    temperature: 40
+    gpm: true
+    mig_devices:
+      - {uuid: MIG-e2e00000-0000-4000-8000-000000000001, profile: 3g.40gb, memory_total: 40GiB,
+         fields: {sm_active: 0.5, tensor_active: 0.25}}
+      - {uuid: MIG-e2e00000-0000-4000-8000-000000000002, profile: 3g.40gb, gpu_instance: 2,
+         memory_total: 40GiB}
+    processes:
+      - {spawn: [sleep, "120"], memory: 8GiB, mig: MIG-e2e00000-0000-4000-8000-000000000001}
 """
 )
 CONFIG = """
