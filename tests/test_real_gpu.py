@@ -257,3 +257,18 @@ def test_a_matrix_multiplication_shows_tensor_activity(real_collector):
     finally:
         child.kill()
         child.wait()
+
+
+def test_mig_devices_of_a_gpu_in_mig_mode(real_collector):
+    snap = real_collector.sample()
+    in_mig = [g for g in snap.gpus if g.info and g.info.mig_slots]
+    if not in_mig:
+        pytest.skip("no GPU here is in MIG mode")
+    for gpu in in_mig:
+        assert gpu.mig_devices, "a GPU in MIG mode with no MIG device read"
+        for device in gpu.mig_devices:
+            assert UUID.match(device.uuid) and device.uuid.startswith("MIG-"), device
+            assert device.gpu_instance is not None and device.profile, device
+            assert 0 <= device.memory_used_bytes <= device.memory_total_bytes, device
+        on = {uuid for p in gpu.processes or () for uuid in p.mig_uuids}
+        assert on <= {d.uuid for d in gpu.mig_devices}
