@@ -253,6 +253,7 @@ def test_run_with_mig_locks_the_mig_device_and_hands_it_to_the_job(tmp_path):
 def test_the_agents_recommend_takes_mig(tmp_path):
     import json
 
+    from tests.agent import exporter_cli as cli
     from tests.agent import healthz_until, http_get, serve
 
     scenario = tmp_path / "mig.yaml"
@@ -264,5 +265,25 @@ def test_the_agents_recommend_takes_mig(tmp_path):
         assert [c["uuid"] for c in json.loads(body)["chosen"]] == [C]
         status, body = http_get(f"http://127.0.0.1:{port}/recommend?mig=maybe")
         assert status == 400 and "mig" in body
+        # run --from: the agent chooses two MIG devices, run checks and locks them here
+        locks = tmp_path / "locks"
+        locks.mkdir()
+        job = ("--", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES")
+        url = f"http://127.0.0.1:{port}"
+        ran = cli(
+            "run",
+            "--from",
+            url,
+            "--simulate",
+            str(scenario),
+            "--lock-dir",
+            str(locks),
+            "--mig",
+            "--count",
+            "2",
+            *job,
+        )
+        assert ran.returncode == 0, ran.stderr
+        assert sorted(ran.stdout.strip().split(",")) == sorted([B, C])
         agent.terminate()
         agent.wait(timeout=5)

@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from exporter.core.snapshot import Gpu, GpuInfo
-from exporter.core.visible import as_cuda_reads, check_well_formed, visible_uuids
+from exporter.core.visible import (
+    as_cuda_reads,
+    check_well_formed,
+    visible_mig_devices,
+    visible_uuids,
+)
 from tests.agent import clean_env, healthz_until, http_get, serve
 from tests.agent import exporter_cli as cli
 
@@ -74,6 +79,16 @@ def test_only_ascii_digits_are_indices(entry):
 
 def test_mig_entries_name_the_mig_device_to_cuda():
     assert visible_uuids("MIG-xyz-1,0", GPUS)[0] == {SECOND: "MIG-xyz-1", FIRST: FIRST}
+
+
+def test_every_mig_device_named_is_visible_up_to_the_first_unknown_entry():
+    two = [
+        Gpu(0, "GPU-aaaa-1", True, GpuInfo(0, "GPU-aaaa-1", mig_uuids=("MIG-one", "MIG-two"))),
+    ]
+    assert visible_mig_devices("MIG-one,MIG-tw", two) == {"MIG-one", "MIG-two"}  # a prefix
+    assert visible_mig_devices("MIG-one,7,MIG-two", two) == {"MIG-one"}  # CUDA stops at 7
+    assert visible_mig_devices("0", two) == set()  # a whole GPU: visible_uuids says so
+    assert visible_mig_devices(None, two) == set()
 
 
 @pytest.mark.parametrize(

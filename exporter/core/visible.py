@@ -48,6 +48,23 @@ def visible_uuids(
     return visible, "; ".join(notes)
 
 
+def visible_mig_devices(value: str | None, gpus: Sequence[Gpu]) -> set[str]:
+    """The MIG devices ``value`` names by their UUIDs (or unique prefixes of them), up to the
+    first entry CUDA would stop at; GPUs it names whole are :func:`visible_uuids`' part."""
+    found: set[str] = set()
+    if value is None:
+        return found
+    by_index = {str(gpu.index): gpu for gpu in gpus}
+    devices = [uuid for gpu in gpus for uuid in gpu.mig_uuids()]
+    for entry in _entries(value):
+        if _resolve(entry, gpus, by_index) is None:
+            break
+        if entry.startswith("MIG-") and not entry.startswith("MIG-GPU-"):
+            matches = [uuid for uuid in devices if uuid.startswith(entry)]
+            found.update(matches[:1] if len(matches) == 1 else ())
+    return found
+
+
 def check_well_formed(value: str) -> None:
     """Raise ValueError naming the first entry of ``value`` in no form CUDA knows (``²``, ``0x1``).
 

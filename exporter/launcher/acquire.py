@@ -31,7 +31,7 @@ from exporter.core.selection import (
 )
 from exporter.core.snapshot import Gpu, MigDevice, Snapshot
 from exporter.core.units import format_bytes
-from exporter.core.visible import visible_uuids
+from exporter.core.visible import visible_mig_devices, visible_uuids
 from exporter.launcher.errors import (
     EXIT_NO_GPUS,
     EXIT_WAIT_TIMEOUT,
@@ -173,14 +173,21 @@ def choose(
     locked = set(_reserved(latest, mine, ours)) | set(unusable)
     # the verdict these samples support (no XID history here: docs/launcher.md says what)
     health = assess(snapshots)
-    recommendation = recommend(policy, snapshots, locked=locked, visible=visible, health=health)
+    shown: Collection[str] | None = visible
+    if policy.mig and visible is not None:  # several MIG devices of one GPU can be named
+        shown = {*visible, *visible.values(), *visible_mig_devices(visible_env, latest.gpus)}
+    recommendation = recommend(policy, snapshots, locked=locked, visible=shown, health=health)
     recommendation = with_reasons(recommendation, _refused(unusable))
-    if policy.mig:  # MIG devices are the candidates: each names itself to CUDA
-        (view,), parents = mig_view([latest])
-        shown = visible_devices(visible, parents)
-        never = impossible(policy, view.gpus, shown, "MIG device(s)")
-        return Choosing(recommendation, note, {d: d for d in parents}, never)
-    return Choosing(recommendation, note, visible or {}, impossible(policy, latest.gpus, visible))
+    return Choosing(recommendation, note, visible or {}, never_qualify(policy, latest, shown))
+
+
+def never_qualify(policy: Policy, latest: Snapshot, visible: Collection[str] | None) -> str:
+    """:func:`impossible` for the candidates of ``policy``: the GPUs, or with ``mig`` the MIG
+    devices, of ``latest`` that ``visible`` shows."""
+    if not policy.mig:
+        return impossible(policy, latest.gpus, visible)
+    (view,), parents = mig_view([latest])
+    return impossible(policy, view.gpus, visible_devices(visible, parents), "MIG device(s)")
 
 
 def _visible(visible_env: str | None, snapshot: Snapshot) -> tuple[dict[str, str] | None, str]:
@@ -250,9 +257,7 @@ def _total(gpu: Gpu) -> int | None:
 
 def devices(snapshot: Snapshot, choosing: Choosing) -> list[Device]:
     """The chosen GPUs (or MIG devices) as Devices, in the order chosen."""
-    by_uuid = {g.uuid: g for g in snapshot.gpus}
-    if choosing.recommendation.policy.mig:
-        by_uuid = {g.uuid: g for g in mig_view([snapshot])[0][0].gpus}
+    by_uuid = {g.uuid: g for g in (*snapshot.gpus, *mig_view([snapshot])[0][0].gpus)}
     out = []
     for choice in choosing.recommendation.chosen:
         gpu = by_uuid[choice.uuid]
@@ -387,7 +392,7 @@ class _Search:
                 "ask this host's agent"
             )
         counted = replace(self.policy, count=recommendation.policy.count)
-        never = impossible(counted, latest.gpus, visible)
+        never = never_qualify(counted, latest, visible)
         return Choosing(recommendation, note, visible or {}, never)
 
     def lock(self, choosing: Choosing) -> tuple[Reservation, list[Device]] | str:
