@@ -221,3 +221,25 @@ def test_openmetrics_carries_the_readings(simulated, collector):
     assert families["gpu_nvlink_errors"].type == "counter"
     links = {s.labels["link"] for s in families["gpu_nvlink_up"].samples}
     assert links == {"0", "1"}
+
+
+def test_gpu_process_owner_info_names_the_slurm_job_of_a_process():
+    from exporter.core.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, Snapshot
+
+    processes = (
+        GpuProcess(pid=10, type="compute", used_memory_bytes=1, visible=True, slurm_job="77"),
+        GpuProcess(pid=11, type="compute", used_memory_bytes=1, visible=True),  # not Slurm's
+    )
+    gpu = Gpu(0, "GPU-a", True, GpuInfo(0, "GPU-a"), processes=processes)
+    snap = Snapshot(1, 1.7e9, 1.0, 0.01, True, HostInfo("h"), (gpu,))
+    (owner,) = samples(render(snap, SelfStats(5)))["gpu_process_owner_info"]
+    assert owner.labels == {
+        "gpu": "0",
+        "uuid": "GPU-a",
+        "pid": "10",
+        "namespace": "",
+        "pod": "",
+        "container": "",
+        "slurm_job": "77",
+    }
+    assert owner.value == 1

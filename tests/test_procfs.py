@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.core.procfs import MAX_CMDLINE_BYTES, ProcFs, parse_cgroup
+from exporter.core.procfs import MAX_CMDLINE_BYTES, ProcFs, parse_cgroup, parse_slurm
 
 BTIME = 1_700_000_000
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -251,6 +251,43 @@ def test_plain_process_has_no_container_or_pod(fake: FakeProc) -> None:
 )
 def test_parse_cgroup(text: str, container: str, pod: str) -> None:
     assert parse_cgroup(text) == (container, pod)
+
+
+@pytest.mark.parametrize(
+    ("text", "job", "step"),
+    [
+        # Slurm 22.05's cgroup v1 plugin, as it runs on Debian: the node's name in the path
+        pytest.param(
+            "12:freezer:/slurm_node7/uid_1000/job_4242/step_0/task_0\n"
+            "11:memory:/slurm_node7/uid_1000/job_4242/step_0/task_0\n",
+            "4242",
+            "0",
+            id="v1-slurm-nodename",
+        ),
+        pytest.param("4:devices:/slurm/uid_5/job_9/step_batch\n", "9", "batch", id="v1-batch"),
+        pytest.param("4:cpuset:/slurm/uid_5/job_9\n", "9", "", id="v1-job-only"),
+        pytest.param(
+            "0::/system.slice/slurmstepd.scope/job_77/step_extern/user/task_special\n",
+            "77",
+            "extern",
+            id="v2-extern",
+        ),
+        pytest.param(
+            "0::/system.slice/slurmstepd.scope/job_78/step_12/user/task_0\n", "78", "12", id="v2"
+        ),
+        pytest.param("0::/system.slice/slurmstepd.scope/system\n", "", "", id="v2-slurmstepd"),
+        pytest.param("0::/user.slice/job_3/step_1\n", "", "", id="lookalike-outside-slurm"),
+        pytest.param("", "", "", id="empty"),
+    ],
+)
+def test_parse_slurm(text: str, job: str, step: str) -> None:
+    assert parse_slurm(text) == (job, step)
+
+
+def test_a_slurm_jobs_process_is_named_by_its_job(fake: FakeProc) -> None:
+    fake.add(4321, cgroup=b"0::/system.slice/slurmstepd.scope/job_77/step_3/user/task_0\n")
+    info = ProcFs(str(fake.root)).process(4321)
+    assert info is not None and (info.slurm_job, info.slurm_step) == ("77", "3")
 
 
 # -- races and hostile content --------------------------------------------------------------------

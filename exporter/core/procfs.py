@@ -20,6 +20,13 @@ _CONTAINER_ID = re.compile(r"(?<![0-9a-f])([0-9a-f]{64})(?![0-9a-f])")
 _POD_UID = re.compile(
     r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})"
 )
+#: A Slurm job's cgroup, from the task/cgroup plugin: cgroup v1 ``.../slurm/uid_U/job_J/step_S``
+#: (``slurm_<nodename>`` on some builds: 22.05 puts it under ``freezer:/slurm_<node>/...``) and
+#: cgroup v2 ``.../slurmstepd.scope/job_J/step_S/...``; steps are numbers or batch, extern,
+#: interactive.
+_SLURM_JOB = re.compile(
+    r"(?:/slurm(?:_[^/]+)?/uid_\d+|/slurmstepd\.scope)/job_(\d+)(?:/step_([0-9]+|[a-z]+)\b)?"
+)
 _COMM_MAX = 15  # the kernel truncates comm to 15 characters
 
 
@@ -42,6 +49,9 @@ class ProcessInfo:
     pod_uid: str
     #: the script a Python interpreter runs (``train.py``, or the module of ``-m``); "" otherwise
     script: str = ""
+    #: the Slurm job and step its cgroup puts it in ("" outside Slurm's task/cgroup plugin)
+    slurm_job: str = ""
+    slurm_step: str = ""
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,15 @@ def parse_cgroup(text: str) -> tuple[str, str]:
     return container, pod
 
 
+def parse_slurm(text: str) -> tuple[str, str]:
+    """(Slurm job id, step) from the contents of ``/proc/PID/cgroup``; empty when absent."""
+    for line in text.splitlines():
+        found = _SLURM_JOB.search(line.split(":", 2)[-1])
+        if found:
+            return found.group(1), found.group(2) or ""
+    return "", ""
+
+
 class ProcFs:
     """Process facts from one procfs root, with the user-name lookups cached."""
 
@@ -80,7 +99,8 @@ class ProcFs:
         self._users: dict[int, str] = {}
         #: pid -> (start ticks, comm, cmdline, container id, pod uid): what stays the same for
         #: the life of a process (past its exec), so it is read once, not every sample.
-        self._lasting: dict[int, tuple[int, str, tuple[str, ...], str, str]] = {}
+        #: pid -> (start ticks, comm, cmdline, its cgroup's owners: container, pod, job, step)
+        self._lasting: dict[int, tuple[int, str, tuple[str, ...], tuple[str, str, str, str]]] = {}
 
     def retain(self, pids: set[int]) -> None:
         """Forget what was remembered about processes other than ``pids``."""
@@ -222,17 +242,19 @@ class ProcFs:
             uid = None
         known = self._lasting.get(pid)
         if known is not None and known[:2] == (start_ticks, comm):
-            cmdline, container, pod = known[2:]
+            cmdline, owners = known[2:]
         else:  # first sight of this process (same pid, start time and program): read the rest
             raw_cmdline = self._read(dirfd, "cmdline")
             cgroup = self._read(dirfd, "cgroup")
             if (raw_cmdline is None or cgroup is None) and self._read(dirfd, "stat") is None:
                 return None  # it ended meanwhile: not half of what it was
             cmdline = tuple(_decode(part) for part in (raw_cmdline or b"").split(b"\0") if part)
-            container, pod = parse_cgroup(_decode(cgroup)) if cgroup else ("", "")
+            text = _decode(cgroup) if cgroup else ""
+            owners = (*parse_cgroup(text), *parse_slurm(text))
             if cmdline:  # empty: a zombie, or caught inside exec (same start time and maybe the
                 # same name afterwards): read again next time instead of remembering nothing
-                self._lasting[pid] = (start_ticks, comm, cmdline, container, pod)
+                self._lasting[pid] = (start_ticks, comm, cmdline, owners)
+        container, pod, job, step = owners
         boot = self.boot_time()
         return ProcessInfo(
             pid=pid,
@@ -249,6 +271,8 @@ class ProcFs:
             container_id=container,
             pod_uid=pod,
             script=python_script(cmdline),
+            slurm_job=job,
+            slurm_step=step,
         )
 
 

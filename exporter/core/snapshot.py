@@ -191,6 +191,9 @@ class GpuProcess:
     start_time: float | None = None  # seconds since the epoch
     container_id: str = ""
     pod_uid: str = ""
+    #: the Slurm job (and step) its cgroup puts it in; "" outside Slurm
+    slurm_job: str = ""
+    slurm_step: str = ""
     #: the script a Python process runs (``train.py``; see procfs.python_script), "" otherwise
     script: str = ""
     #: Highest SM utilization (0-1) NVML reported for the process on this GPU since the GPU's

@@ -284,6 +284,7 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
         *reading_families(live),
         *xid_families(snapshot.gpus),
         *mig_families(live),
+        _owners(live),
         _per_process(
             live,
             _gauge(
@@ -400,6 +401,23 @@ def xid_families(gpus: Iterable[Gpu]) -> list[Family]:
         if gpu.xid_events_supported is not None:
             supported.add_metric(ids, 1.0 if gpu.xid_events_supported else 0.0)
     return [errors, supported]
+
+
+def _owners(gpus: Iterable[Gpu]) -> Family:
+    """Who each GPU process belongs to, to join on ``pid``: its Slurm job (from its cgroup).
+    The Kubernetes labels are there for the pod-resources reader (issue 20), empty until it."""
+    owners = _gauge(
+        "gpu_process_owner_info",
+        "1 for each GPU process whose owner is known: its Kubernetes pod or Slurm job.",
+        ["gpu", "uuid", "pid", "namespace", "pod", "container", "slurm_job"],
+    )
+    for gpu in gpus:
+        for proc in gpu.processes or ():
+            if proc.slurm_job:
+                owners.add_metric(
+                    [str(gpu.index), gpu.uuid, str(proc.pid), "", "", "", proc.slurm_job], 1.0
+                )
+    return owners
 
 
 MIG_LABELS = [*GPU_LABELS, "mig_uuid"]

@@ -377,4 +377,6 @@ def to_gpu_process(
         container_id=info.container_id,
         pod_uid=info.pod_uid,
         script=info.script,
+        slurm_job=info.slurm_job,
+        slurm_step=info.slurm_step,
     )
