@@ -25,7 +25,8 @@ from exporter.launcher import flags as launcher_flags
 log = logging.getLogger("exporter")
 A = TypeVar("A")
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
-_SERVE_ONLY = {"listen", "interval", "deadline", "log_level", "history", "paths.dev"} | {
+_SERVE_ONLY = {"listen", "interval", "deadline", "log_level", "history", "paths.dev"}
+_SERVE_ONLY |= {"paths.slurm_job_dir"} | {
     s.key for s in SETTINGS if s.key.startswith(("tls.", "web."))
 }
 #: Switches: the flag alone means true.
@@ -339,6 +340,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             expose_cmdline=config.expose_cmdline,
             provision_locks=True,  # the agent makes each GPU's lock file its own
             xids=xids,
+            slurm_job_dir=config.slurm_job_dir,
         )
         sampler = Sampler(
             collector,
@@ -429,6 +431,7 @@ _RESTART_ONLY = {
     "history": "history",
     "lock_dir": "paths.locks",
     "state_file": "paths.state",
+    "slurm_job_dir": "paths.slurm_job_dir",
     "web": "web.*",
 }
 

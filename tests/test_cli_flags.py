@@ -76,6 +76,7 @@ BAD: dict[str, list[str]] = {
     "--gpu": ["", ",,", "GPU 0", "0;1"],
     "--timeout": ["0", "-1s", "soon", "", "nan"],
     "--dev": ["{missing}", "{file}", ""],
+    "--slurm-job-dir": ["relative/jobs", "jobs"],
     "--tls-cert-file": ["{missing}", "{dir}"],
     "--tls-key-file": ["{missing}", "{dir}"],
     "--tls-client-ca-file": ["{missing}", "{dir}"],

@@ -72,6 +72,7 @@ class Config(Generic[A]):
     actions: A
     expose_cmdline: bool = False  # command lines in /snapshot and status (they may hold secrets)
     web: WebSettings = WebSettings()
+    slurm_job_dir: str | None = None  # a prolog's job-mapping directory (core.jobmap)
 
 
 def parse_listen(value: Any) -> Listen:
@@ -134,6 +135,16 @@ def _optional_file(value: Any) -> str | None:
     path = str(value)
     if not os.path.isfile(path):
         raise ValueError(f"file {path!r} does not exist")
+    return path
+
+
+def _optional_absolute(value: Any) -> str | None:
+    """An absolute path, or None: what it names is looked at when used (it may come later)."""
+    if value in (None, ""):
+        return None
+    path = str(value)
+    if not os.path.isabs(path):
+        raise ValueError(f"{path!r} is not an absolute path")
     return path
 
 
@@ -212,6 +223,13 @@ SETTINGS: tuple[Setting, ...] = (
         "file where the health verdict's critical XIDs outlive a restart (default "
         "/var/lib/gpu-exporter/health.json as root, else ~/.local/state/gpu-exporter/; "
         "'off': kept in memory only; off by default with --simulate)",
+    ),
+    Setting(
+        "paths.slurm_job_dir",
+        "--slurm-job-dir",
+        _optional_absolute,
+        None,
+        "a prolog's job-mapping directory: one file per GPU naming its Slurm job (off by default)",
     ),
     Setting(
         "paths.dev",
@@ -401,6 +419,7 @@ def load_config(
         history=values["history"],
         actions=parsed,
         expose_cmdline=values["expose_cmdline"],
+        slurm_job_dir=values["paths.slurm_job_dir"],
         web=WebSettings(
             **{s.key.partition(".")[2]: values[s.key] for s in WEB_SETTINGS},
         ),

@@ -173,6 +173,17 @@ class MigDevice:
 
 
 @dataclass(frozen=True, slots=True)
+class Allocation:
+    """A Slurm job a GPU (or one of its MIG devices) is allocated to."""
+
+    slurm_job: str
+    mig_uuid: str = ""  # "": the whole GPU
+    #: where it is known from: ``job_dir`` (the job-mapping directory) or ``processes`` (all
+    #: the GPU's processes are in that job's cgroup)
+    source: str = "job_dir"
+
+
+@dataclass(frozen=True, slots=True)
 class GpuProcess:
     """A process NVML lists on a GPU, enriched from procfs when the PID is visible here."""
 
@@ -247,6 +258,8 @@ class Gpu:
     processes: tuple[GpuProcess, ...] | None = None
     #: Its MIG devices in this sample (MIG mode only; the layout can change between samples).
     mig_devices: tuple[MigDevice, ...] = ()
+    #: The Slurm jobs it (or a MIG device of it) is allocated to, as the node knows them.
+    allocations: tuple[Allocation, ...] = ()
     #: PID that took this GPU's launcher lock (None: not reserved, or no lock directory). The
     #: lock lives on in the job that inherited it, so this PID may have exited since.
     reserved_by: int | None = None  # 0: reserved, the taker not visible from this PID namespace

@@ -285,6 +285,7 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
         *xid_families(snapshot.gpus),
         *mig_families(live),
         _owners(live),
+        _allocations(live),
         _per_process(
             live,
             _gauge(
@@ -401,6 +402,20 @@ def xid_families(gpus: Iterable[Gpu]) -> list[Family]:
         if gpu.xid_events_supported is not None:
             supported.add_metric(ids, 1.0 if gpu.xid_events_supported else 0.0)
     return [errors, supported]
+
+
+def _allocations(gpus: Iterable[Gpu]) -> Family:
+    """Whom each GPU (or MIG device) is allocated to: its Slurm jobs, to join on the GPU."""
+    allocated = _gauge(
+        "gpu_allocation_info",
+        "1 for each job a GPU (or, with mig_uuid, a MIG device) is allocated to.",
+        ["gpu", "uuid", "mig_uuid", "namespace", "pod", "container", "slurm_job"],
+    )
+    for gpu in gpus:
+        for one in gpu.allocations:
+            labels = [str(gpu.index), gpu.uuid, one.mig_uuid, "", "", "", one.slurm_job]
+            allocated.add_metric(labels, 1.0)
+    return allocated
 
 
 def _owners(gpus: Iterable[Gpu]) -> Family:

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import TypeVar
 
 from exporter.core.activity import IdleTimes
+from exporter.core.jobmap import JobFiles, read_job_dir
 from exporter.core.locks import UNKNOWN_HOLDER, LockError, held_locks, provision
 from exporter.core.mig import device_utilization, process_devices
 from exporter.core.nvml import (
@@ -27,6 +28,7 @@ from exporter.core.nvml import (
 )
 from exporter.core.procfs import ProcessInfo, ProcFs
 from exporter.core.snapshot import (
+    Allocation,
     Gpu,
     GpuInfo,
     GpuProcess,
@@ -59,8 +61,12 @@ class Collector:
         expose_cmdline: bool = False,
         provision_locks: bool = False,
         xids: XidWatcher | None = None,
+        slurm_job_dir: str | None = None,
     ) -> None:
         self.nvml = nvml
+        #: A prolog's job-mapping directory (core.jobmap); None: not read.
+        self.slurm_job_dir = slurm_job_dir
+        self._job_dir_problem = ""  # the last problem logged, so that each is logged once
         #: The XID thread (the agent's; None for one-shot commands, which see no XIDs): told
         #: which GPUs to watch after every sample, its log read into every Snapshot.
         self.xids = xids
@@ -108,6 +114,8 @@ class Collector:
         if self.lock_dir and gpus:
             holders = held_locks(self.lock_dir, self.procfs.root)
             gpus = tuple(self._reserved(g, holders.get(g.uuid), holders) for g in gpus)
+        if gpus:
+            gpus = self._allocated(gpus, errors)
         if self.xids is not None:
             gpus = self._with_xids(gpus, self.xids.xids)
         self._idle.end_sample()
@@ -124,6 +132,17 @@ class Collector:
             nvml_error="" if self.nvml.initialized else self._nvml_error,
             nvml_calls=self.nvml.calls - calls_before,
         )
+
+    def _allocated(self, gpus: tuple[Gpu, ...], errors: list[SampleError]) -> tuple[Gpu, ...]:
+        """``gpus`` with the Slurm jobs each is allocated to: from the job-mapping directory,
+        else the one job whose cgroup holds all of a GPU's processes."""
+        files = read_job_dir(self.slurm_job_dir) if self.slurm_job_dir else JobFiles({})
+        if files.problem:
+            errors.append(SampleError("slurm", "JobMapping", None, "slurm_job_dir", files.problem))
+            if files.problem != self._job_dir_problem:
+                log.warning("Slurm job mapping: %s", files.problem)
+        self._job_dir_problem = files.problem
+        return tuple(_with_allocations(gpu, files.jobs) for gpu in gpus)
 
     def _with_xids(self, gpus: tuple[Gpu, ...], log: XidLog) -> tuple[Gpu, ...]:
         """``gpus`` with their XIDs; the XID thread told to watch the GPUs that answer."""
@@ -339,6 +358,21 @@ class Collector:
             idle = self._idle.observe((uuid, pid, start), process.sm_utilization_ratio, now)
             out.append(replace(process, gpu_idle_seconds=idle, mig_uuids=on_mig.get(pid, ())))
         return tuple(out)
+
+
+def _with_allocations(gpu: Gpu, jobs: dict[str, tuple[str, ...]]) -> Gpu:
+    """``gpu`` with its Slurm allocations (see ``Collector._allocated``)."""
+    found = [
+        Allocation(job)
+        for key in dict.fromkeys((str(gpu.index), gpu.uuid))
+        for job in jobs.get(key, ())
+    ]
+    found += [Allocation(job, d.uuid) for d in gpu.mig_devices for job in jobs.get(d.uuid, ())]
+    if not found and gpu.processes:
+        owners = {p.slurm_job for p in gpu.processes}
+        if len(owners) == 1 and "" not in owners:
+            found = [Allocation(owners.pop(), source="processes")]
+    return replace(gpu, allocations=tuple(dict.fromkeys(found))) if found else gpu
 
 
 def to_gpu_process(
