@@ -830,24 +830,23 @@ class Nvml:
             if keep is None or key[1] not in keep:
                 self._free_samples(self._gpm.pop(key).samples)
 
-    def _free_samples(self, samples: list[Any]) -> None:
+    def _free_samples(self, samples: list[Any], *, locked: bool = False) -> None:
+        """Free GPM sample buffers; ``locked``: the caller holds the NVML lock (shutdown)."""
+        free = getattr(self._lib, "nvmlGpmSampleFree", None)
         for sample in samples:
             try:
-                self.call("nvmlGpmSampleFree", sample)
+                if not locked:
+                    self.call("nvmlGpmSampleFree", sample)
+                elif free is not None:
+                    self.calls += 1
+                    free(sample)
             except Exception as exc:
                 log.debug("nvmlGpmSampleFree: %s", describe(exc))
 
     def _free_gpm_samples(self) -> None:
         """Free every GPM sample, under the NVML lock (held by the caller: shutdown)."""
-        fn = getattr(self._lib, "nvmlGpmSampleFree", None)
         for state in self._gpm.values():
-            for sample in state.samples:
-                try:
-                    if fn is not None:
-                        self.calls += 1
-                        fn(sample)
-                except Exception as exc:
-                    log.debug("nvmlGpmSampleFree: %s", describe(exc))
+            self._free_samples(state.samples, locked=True)
         self._gpm.clear()
 
     # -- readings declared in core.fields -----------------------------------------------------
