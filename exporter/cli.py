@@ -26,7 +26,7 @@ log = logging.getLogger("exporter")
 A = TypeVar("A")
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 _SERVE_ONLY = {"listen", "interval", "deadline", "log_level", "history", "paths.dev"}
-_SERVE_ONLY |= {"paths.slurm_job_dir"} | {
+_SERVE_ONLY |= {"paths.slurm_job_dir", "paths.kubelet_socket", "kubelet.resources"} | {
     s.key for s in SETTINGS if s.key.startswith(("tls.", "web."))
 }
 #: Switches: the flag alone means true.
@@ -265,6 +265,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _kubelet(config: Config) -> Any:
+    """The kubelet's pod-resources client, or None when the socket is set off. Its call's
+    timeout is half the interval (at most 1 s): a hung kubelet never costs a sample more."""
+    if not config.kubelet_socket:
+        return None
+    from exporter.core.kubelet import PodResourcesClient
+
+    timeout = min(1.0, config.interval / 2)
+    return PodResourcesClient(config.kubelet_socket, config.kubelet_resources, timeout)
+
+
 def _agent_lock_dir(config: Config) -> str | None:
     """The launchers' lock directory the agent watches (None when there is none to watch)."""
     from exporter.core.locks import LockError, default_lock_dir
@@ -341,6 +352,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             provision_locks=True,  # the agent makes each GPU's lock file its own
             xids=xids,
             slurm_job_dir=config.slurm_job_dir,
+            kubelet=_kubelet(config),
         )
         sampler = Sampler(
             collector,
@@ -432,6 +444,8 @@ _RESTART_ONLY = {
     "lock_dir": "paths.locks",
     "state_file": "paths.state",
     "slurm_job_dir": "paths.slurm_job_dir",
+    "kubelet_socket": "paths.kubelet_socket",
+    "kubelet_resources": "kubelet.resources",
     "web": "web.*",
 }
 

@@ -7,7 +7,7 @@ import time
 from exporter.core.fields import RECOVERY_ACTIONS
 from exporter.core.health import Verdict, assess
 from exporter.core.locks import UNKNOWN_HOLDER
-from exporter.core.snapshot import Gpu, GpuProcess, Snapshot
+from exporter.core.snapshot import Allocation, Gpu, GpuProcess, Snapshot
 from exporter.core.units import format_bytes
 from exporter.core.xid import KEPT_PER_GPU
 
@@ -101,7 +101,32 @@ def _gpu_line(gpu: Gpu, now: float, verdict: Verdict | None = None) -> str:
     elif gpu.reserved_by is not None:
         who = f"{gpu.reserved_by_user} " if gpu.reserved_by_user else ""
         row += f"\n     reserved by a launcher lock: {who}(pid {gpu.reserved_by})"
+    holders = ", ".join(dict.fromkeys(_allocation(a) for a in gpu.allocations))
+    if holders:
+        row += f"\n     allocated to {holders}"
     return row
+
+
+def _allocation(allocation: Allocation) -> str:
+    """``pod ml/train-0 (trainer)`` or ``job 4242``, and the MIG device it names."""
+    if allocation.pod:
+        who = f"pod {allocation.namespace}/{allocation.pod} ({allocation.container})"
+    else:
+        who = f"job {allocation.slurm_job}"
+    return f"{who} on {allocation.mig_uuid}" if allocation.mig_uuid else who
+
+
+def _owner(proc: GpuProcess) -> str:
+    """Whose the process is, when known: its pod and container, its Slurm job and step."""
+    owners = []
+    if proc.pod:
+        container = f" ({proc.container})" if proc.container else ""
+        owners.append(f"pod {proc.namespace}/{proc.pod}{container}")
+    if proc.slurm_job:
+        owners.append(f"job {proc.slurm_job}" + (f".{proc.slurm_step}" if proc.slurm_step else ""))
+    if proc.outside_allocation:
+        owners.append("OUTSIDE ITS ALLOCATION")
+    return f"  [{', '.join(owners)}]" if owners else ""
 
 
 def _process_line(proc: GpuProcess) -> str:
@@ -113,6 +138,7 @@ def _process_line(proc: GpuProcess) -> str:
         command = f"{proc.name} {proc.script}" if proc.script else proc.name
     if len(command) > 60:
         command = command[:57] + "..."
+    command += _owner(proc)
     user = (proc.user or "?")[:12]
     memory = format_bytes(proc.used_memory_bytes)
     sm = proc.sm_utilization_ratio

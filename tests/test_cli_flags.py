@@ -77,6 +77,8 @@ BAD: dict[str, list[str]] = {
     "--timeout": ["0", "-1s", "soon", "", "nan"],
     "--dev": ["{missing}", "{file}", ""],
     "--slurm-job-dir": ["relative/jobs", "jobs"],
+    "--kubelet-socket": ["relative/kubelet.sock", "kubelet.sock"],
+    "--kubelet.resources": ["nvidia.com", "a b/c", "/gpu", "x/y/z", ",,example.com/*x"],
     "--tls-cert-file": ["{missing}", "{dir}"],
     "--tls-key-file": ["{missing}", "{dir}"],
     "--tls-client-ca-file": ["{missing}", "{dir}"],

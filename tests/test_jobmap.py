@@ -243,3 +243,56 @@ def test_the_prolog_reads_nvml_indices_when_told_and_never_fails_a_job(tmp_path)
     ):
         ran = _script(tmp_path, step, job, gpus, **env)
         assert ran.returncode == 0 and said in ran.stderr, (said, ran.stderr)
+
+
+def test_a_process_on_a_gpu_its_job_was_not_given_is_found_and_said_once(
+    simulated, clock, tmp_path, caplog
+):
+    (tmp_path / "proc").mkdir()
+    fake = FakeProc(tmp_path / "proc")
+    _owner_process(fake, 4001, "77")
+    _owner_process(fake, 4002, "77")
+    _owner_process(fake, 4003, "78")
+    _owner_process(fake, 4004, "79")
+    simulated(
+        """
+        gpus:
+          - processes: [{pid: 4001}, {pid: 4003}]
+          - processes: [{pid: 4002}]
+          - processes: [{pid: 4004}]
+        """
+    )
+    jobs = _dir(tmp_path, {"0": "77 1000\n"})
+    collector = _collector(simulated, clock, fake.root, jobs)
+    caplog.set_level(logging.WARNING)
+    try:
+        for _ in range(2):
+            snap = collector.sample()
+    finally:
+        collector.close()
+    outside = {(g.index, p.pid) for g in snap.gpus for p in g.processes if p.outside_allocation}
+    # 77 was given GPU 0 only; 78 nothing, on 77's GPU; 79 nothing, on a GPU no file names
+    assert outside == {(1, 4002), (0, 4003)}
+    found = samples(render(snap, SelfStats(5)))["gpu_processes_outside_allocation"]
+    assert {s.labels["gpu"]: s.value for s in found} == {"0": 1, "1": 1, "2": 0}
+    said = [r.getMessage() for r in caplog.records if "was not given" in r.getMessage()]
+    assert sorted(said) == [
+        f"process 4002 (python3) runs on GPU 1 ({snap.gpus[1].uuid}), which its job 77 was not "
+        "given",
+        f"process 4003 (python3) runs on GPU 0 ({snap.gpus[0].uuid}), which its job 78 was not "
+        "given",
+    ]
+
+
+def test_without_a_job_mapping_directory_nothing_is_judged(simulated, clock, tmp_path):
+    (tmp_path / "proc").mkdir()
+    fake = FakeProc(tmp_path / "proc")
+    _owner_process(fake, 4001, "77")
+    simulated("gpus: [{processes: [{pid: 4001}]}, {}]\n")
+    collector = _collector(simulated, clock, fake.root, None)
+    try:
+        snap = collector.sample()
+    finally:
+        collector.close()
+    assert not snap.gpus[0].allocations_known and not snap.gpus[0].processes[0].outside_allocation
+    assert "gpu_processes_outside_allocation" not in samples(render(snap, SelfStats(5)))

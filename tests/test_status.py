@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from exporter.core.procfs import ProcFs, python_script
-from exporter.core.snapshot import Gpu, GpuInfo, GpuProcess, HostInfo, LinkReadings, Snapshot
+from exporter.core.snapshot import (
+    Allocation,
+    Gpu,
+    GpuInfo,
+    GpuProcess,
+    HostInfo,
+    LinkReadings,
+    Snapshot,
+)
 from exporter.status import format_status
 from tests.agent import exporter_cli
 from tests.helpers import until
@@ -57,6 +65,37 @@ def test_status_shows_free_memory_the_lock_holder_and_the_script():
     assert "python3 train.py" in text
     exposed = replace(proc, cmdline=("python3", "train.py", "--token", "x"))
     assert "--token" in format_status(snapshot(gpu(processes=(exposed,))))  # only when exposed
+
+
+def test_status_names_who_holds_each_gpu_and_process():
+    trainer = GpuProcess(
+        42,
+        "compute",
+        1 << 30,
+        True,
+        name="python3",
+        namespace="ml",
+        pod="train-0",
+        container="trainer",
+    )
+    stray = GpuProcess(
+        43,
+        "compute",
+        1 << 30,
+        True,
+        name="python3",
+        slurm_job="77",
+        slurm_step="batch",
+        outside_allocation=True,
+    )
+    allocations = (
+        Allocation(source="kubelet", namespace="ml", pod="train-0", container="trainer"),
+        Allocation("78", mig_uuid="MIG-1"),
+    )
+    text = format_status(snapshot(gpu(processes=(trainer, stray), allocations=allocations)))
+    assert "allocated to pod ml/train-0 (trainer), job 78 on MIG-1" in text
+    assert "python3  [pod ml/train-0 (trainer)]" in text
+    assert "python3  [job 77.batch, OUTSIDE ITS ALLOCATION]" in text
 
 
 def test_status_with_no_gpus_says_so():

@@ -15,6 +15,8 @@ from typing import Any, Generic, TypeVar
 
 from exporter.config.validate import duration_between, switch, whole
 from exporter.config.yamlconf import ConfigError, Document, Section, load_document
+from exporter.core.kubelet import DEFAULT_SOCKET as DEFAULT_KUBELET_SOCKET
+from exporter.core.kubelet import resource_names
 
 #: What the ``actions:`` section parses to: the agent's action settings, or (for the launcher)
 #: just the recommendation policies. The parser is handed in, so config never imports actions.
@@ -73,6 +75,8 @@ class Config(Generic[A]):
     expose_cmdline: bool = False  # command lines in /snapshot and status (they may hold secrets)
     web: WebSettings = WebSettings()
     slurm_job_dir: str | None = None  # a prolog's job-mapping directory (core.jobmap)
+    kubelet_socket: str | None = None  # the kubelet's pod-resources socket (core.kubelet)
+    kubelet_resources: tuple[str, ...] = ()  # resource names beside core.kubelet.GPU_RESOURCES
 
 
 def parse_listen(value: Any) -> Listen:
@@ -230,6 +234,22 @@ SETTINGS: tuple[Setting, ...] = (
         _optional_absolute,
         None,
         "a prolog's job-mapping directory: one file per GPU naming its Slurm job (off by default)",
+    ),
+    Setting(
+        "paths.kubelet_socket",
+        "--kubelet-socket",
+        _optional_absolute,
+        DEFAULT_KUBELET_SOCKET,
+        "the kubelet's pod-resources socket, to name the pod of each GPU and process; off where "
+        f"it does not exist, or set to '' (default {DEFAULT_KUBELET_SOCKET})",
+    ),
+    Setting(
+        "kubelet.resources",
+        "--kubelet.resources",
+        resource_names,
+        (),
+        "device-plugin resources that are GPUs beside nvidia.com/gpu, nvidia.com/gpu.shared and "
+        "nvidia.com/mig-*: a list, or names separated by commas ('*' ends a prefix)",
     ),
     Setting(
         "paths.dev",
@@ -420,6 +440,8 @@ def load_config(
         actions=parsed,
         expose_cmdline=values["expose_cmdline"],
         slurm_job_dir=values["paths.slurm_job_dir"],
+        kubelet_socket=values["paths.kubelet_socket"],
+        kubelet_resources=values["kubelet.resources"],
         web=WebSettings(
             **{s.key.partition(".")[2]: values[s.key] for s in WEB_SETTINGS},
         ),

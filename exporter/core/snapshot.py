@@ -174,13 +174,17 @@ class MigDevice:
 
 @dataclass(frozen=True, slots=True)
 class Allocation:
-    """A Slurm job a GPU (or one of its MIG devices) is allocated to."""
+    """Who a GPU (or one of its MIG devices) is allocated to: a Slurm job, or a Kubernetes
+    container."""
 
-    slurm_job: str
+    slurm_job: str = ""
     mig_uuid: str = ""  # "": the whole GPU
-    #: where it is known from: ``job_dir`` (the job-mapping directory) or ``processes`` (all
-    #: the GPU's processes are in that job's cgroup)
+    #: where it is known from: ``job_dir`` (the job-mapping directory), ``kubelet`` (its
+    #: pod-resources API) or ``processes`` (all the GPU's processes are in that job's cgroup)
     source: str = "job_dir"
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +209,12 @@ class GpuProcess:
     #: the Slurm job (and step) its cgroup puts it in; "" outside Slurm
     slurm_job: str = ""
     slurm_step: str = ""
+    #: its Kubernetes pod and container, named by the kubelet ("" when not known)
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+    #: it runs on a GPU (or MIG device) its job or pod was not given (sampling.owners)
+    outside_allocation: bool = False
     #: the script a Python process runs (``train.py``; see procfs.python_script), "" otherwise
     script: str = ""
     #: Highest SM utilization (0-1) NVML reported for the process on this GPU since the GPU's
@@ -258,8 +268,12 @@ class Gpu:
     processes: tuple[GpuProcess, ...] | None = None
     #: Its MIG devices in this sample (MIG mode only; the layout can change between samples).
     mig_devices: tuple[MigDevice, ...] = ()
-    #: The Slurm jobs it (or a MIG device of it) is allocated to, as the node knows them.
+    #: The Slurm jobs and Kubernetes containers it (or a MIG device of it) is allocated to, as
+    #: the node knows them.
     allocations: tuple[Allocation, ...] = ()
+    #: A source of allocations (the job-mapping directory, the kubelet) answered in this sample,
+    #: so each process's ``outside_allocation`` was judged (False: nothing to judge it by).
+    allocations_known: bool = False
     #: PID that took this GPU's launcher lock (None: not reserved, or no lock directory). The
     #: lock lives on in the job that inherited it, so this PID may have exited since.
     reserved_by: int | None = None  # 0: reserved, the taker not visible from this PID namespace

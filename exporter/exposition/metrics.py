@@ -285,7 +285,7 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
         *xid_families(snapshot.gpus),
         *mig_families(live),
         _owners(live),
-        _allocations(live),
+        *_allocations(live),
         _per_process(
             live,
             _gauge(
@@ -404,34 +404,43 @@ def xid_families(gpus: Iterable[Gpu]) -> list[Family]:
     return [errors, supported]
 
 
-def _allocations(gpus: Iterable[Gpu]) -> Family:
-    """Whom each GPU (or MIG device) is allocated to: its Slurm jobs, to join on the GPU."""
+def _allocations(gpus: Iterable[Gpu]) -> list[Family]:
+    """Whom each GPU (or MIG device) is allocated to, to join on the GPU: Kubernetes containers
+    and Slurm jobs; and how many of its processes run outside their job's or pod's GPUs."""
     allocated = _gauge(
         "gpu_allocation_info",
-        "1 for each job a GPU (or, with mig_uuid, a MIG device) is allocated to.",
+        "1 for each container or job a GPU (or, with mig_uuid, a MIG device) is allocated to.",
         ["gpu", "uuid", "mig_uuid", "namespace", "pod", "container", "slurm_job"],
     )
+    outside = _gauge(
+        "gpu_processes_outside_allocation",
+        "Processes on the GPU whose Slurm job or pod was not given it (only where the kubelet "
+        "or the job-mapping directory says what was given).",
+        GPU_LABELS,
+    )
     for gpu in gpus:
+        ids = [str(gpu.index), gpu.uuid]
         for one in gpu.allocations:
-            labels = [str(gpu.index), gpu.uuid, one.mig_uuid, "", "", "", one.slurm_job]
+            labels = [*ids, one.mig_uuid, one.namespace, one.pod, one.container, one.slurm_job]
             allocated.add_metric(labels, 1.0)
-    return allocated
+        if gpu.allocations_known and gpu.processes is not None:
+            outside.add_metric(ids, sum(p.outside_allocation for p in gpu.processes))
+    return [allocated, outside]
 
 
 def _owners(gpus: Iterable[Gpu]) -> Family:
-    """Who each GPU process belongs to, to join on ``pid``: its Slurm job (from its cgroup).
-    The Kubernetes labels are there for the pod-resources reader (issue 20), empty until it."""
+    """Who each GPU process belongs to, to join on ``pid``: its Kubernetes container (named by
+    the kubelet) and its Slurm job (from its cgroup)."""
     owners = _gauge(
         "gpu_process_owner_info",
         "1 for each GPU process whose owner is known: its Kubernetes pod or Slurm job.",
         ["gpu", "uuid", "pid", "namespace", "pod", "container", "slurm_job"],
     )
     for gpu in gpus:
-        for proc in gpu.processes or ():
-            if proc.slurm_job:
-                owners.add_metric(
-                    [str(gpu.index), gpu.uuid, str(proc.pid), "", "", "", proc.slurm_job], 1.0
-                )
+        for p in gpu.processes or ():
+            if p.slurm_job or p.pod:
+                labels = [str(gpu.index), gpu.uuid, str(p.pid), p.namespace, p.pod, p.container]
+                owners.add_metric([*labels, p.slurm_job], 1.0)
     return owners
 
 

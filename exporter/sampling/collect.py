@@ -15,7 +15,8 @@ from dataclasses import replace
 from typing import TypeVar
 
 from exporter.core.activity import IdleTimes
-from exporter.core.jobmap import JobFiles, read_job_dir
+from exporter.core.jobmap import read_job_dir
+from exporter.core.kubelet import PodResourcesClient
 from exporter.core.locks import UNKNOWN_HOLDER, LockError, held_locks, provision
 from exporter.core.mig import device_utilization, process_devices
 from exporter.core.nvml import (
@@ -28,7 +29,6 @@ from exporter.core.nvml import (
 )
 from exporter.core.procfs import ProcessInfo, ProcFs
 from exporter.core.snapshot import (
-    Allocation,
     Gpu,
     GpuInfo,
     GpuProcess,
@@ -39,8 +39,10 @@ from exporter.core.snapshot import (
 )
 from exporter.core.xid import XidLog
 from exporter.sampling.events import XidWatcher
+from exporter.sampling.owners import attribute
 
 log = logging.getLogger(__name__)
+_SOURCE_NAMES = {"slurm": "Slurm job mapping", "kubelet": "Kubelet pod resources"}
 #: What a launcher lock can reserve: a GPU, or one of its MIG devices.
 GpuOrDevice = TypeVar("GpuOrDevice", Gpu, MigDevice)
 
@@ -62,11 +64,16 @@ class Collector:
         provision_locks: bool = False,
         xids: XidWatcher | None = None,
         slurm_job_dir: str | None = None,
+        kubelet: PodResourcesClient | None = None,
     ) -> None:
         self.nvml = nvml
         #: A prolog's job-mapping directory (core.jobmap); None: not read.
         self.slurm_job_dir = slurm_job_dir
-        self._job_dir_problem = ""  # the last problem logged, so that each is logged once
+        #: The kubelet's pod-resources API; None: not asked.
+        self.kubelet = kubelet
+        #: source -> the last problem logged, so that each is logged once
+        self._problems: dict[str, str] = {}
+        self._outside: set[tuple[str, int, float | None]] = set()  # processes logged as outside
         #: The XID thread (the agent's; None for one-shot commands, which see no XIDs): told
         #: which GPUs to watch after every sample, its log read into every Snapshot.
         self.xids = xids
@@ -100,6 +107,8 @@ class Collector:
         wall, started = self._clock(), self._monotonic()
         calls_before = self.nvml.calls
         errors: list[SampleError] = []
+        if self.kubelet is not None:
+            self.kubelet.begin()  # it answers while NVML is read
         gpus: tuple[Gpu, ...] = ()
         if not self.nvml.initialized and started >= self._next_init:
             self._initialize(errors, started)
@@ -114,8 +123,7 @@ class Collector:
         if self.lock_dir and gpus:
             holders = held_locks(self.lock_dir, self.procfs.root)
             gpus = tuple(self._reserved(g, holders.get(g.uuid), holders) for g in gpus)
-        if gpus:
-            gpus = self._allocated(gpus, errors)
+        gpus = self._allocated(gpus, errors)
         if self.xids is not None:
             gpus = self._with_xids(gpus, self.xids.xids)
         self._idle.end_sample()
@@ -134,15 +142,57 @@ class Collector:
         )
 
     def _allocated(self, gpus: tuple[Gpu, ...], errors: list[SampleError]) -> tuple[Gpu, ...]:
-        """``gpus`` with the Slurm jobs each is allocated to: from the job-mapping directory,
-        else the one job whose cgroup holds all of a GPU's processes."""
-        files = read_job_dir(self.slurm_job_dir) if self.slurm_job_dir else JobFiles({})
-        if files.problem:
-            errors.append(SampleError("slurm", "JobMapping", None, "slurm_job_dir", files.problem))
-            if files.problem != self._job_dir_problem:
-                log.warning("Slurm job mapping: %s", files.problem)
-        self._job_dir_problem = files.problem
-        return tuple(_with_allocations(gpu, files.jobs) for gpu in gpus)
+        """``gpus`` with their allocations and their processes' owners (sampling.owners)."""
+        jobs: dict[str, tuple[str, ...]] | None = None
+        if self.slurm_job_dir:
+            files = read_job_dir(self.slurm_job_dir)
+            self._problem(errors, "slurm", "JobMapping", "slurm_job_dir", files.problem)
+            if files.jobs or not files.problem:  # a bad file spoils only itself
+                jobs = files.jobs
+        pods = self.kubelet.finish() if self.kubelet is not None else None
+        if pods is not None:
+            self._problem(errors, "kubelet", "PodResources", "kubelet_socket", pods.problem)
+        found = attribute(gpus, jobs, pods.devices if pods and not pods.problem else None)
+        self._log_outside(found)
+        return found
+
+    def _problem(
+        self, errors: list[SampleError], source: str, error: str, what: str, problem: str
+    ) -> None:
+        """Record ``problem`` of an attribution source in the sample; log it when it is new."""
+        name = _SOURCE_NAMES[source]
+        if problem:
+            errors.append(SampleError(source, error, None, what, problem))
+            if problem != self._problems.get(source):
+                log.warning("%s: %s", name, problem)
+        elif self._problems.get(source):
+            log.info("%s: read again", name)
+        self._problems[source] = problem
+
+    def _log_outside(self, gpus: tuple[Gpu, ...]) -> None:
+        """Log each process found outside its allocation once."""
+        now: set[tuple[str, int, float | None]] = set()
+        for gpu in gpus:
+            for process in gpu.processes or ():
+                if not process.outside_allocation:
+                    continue
+                key = (gpu.uuid, process.pid, process.start_time)
+                now.add(key)
+                if key not in self._outside:
+                    owner = (
+                        f"job {process.slurm_job}"
+                        if process.slurm_job
+                        else f"pod {process.namespace}/{process.pod}"
+                    )
+                    log.warning(
+                        "process %d (%s) runs on GPU %d (%s), which its %s was not given",
+                        process.pid,
+                        process.name or "?",
+                        gpu.index,
+                        gpu.uuid,
+                        owner,
+                    )
+        self._outside = now
 
     def _with_xids(self, gpus: tuple[Gpu, ...], log: XidLog) -> tuple[Gpu, ...]:
         """``gpus`` with their XIDs; the XID thread told to watch the GPUs that answer."""
@@ -168,7 +218,10 @@ class Collector:
         return tuple(out)
 
     def close(self, timeout: float = 1.0) -> bool:
-        """Shut NVML down; False when a hung call prevented it."""
+        """Shut NVML down (and close the kubelet's channel); False when a hung call prevented
+        it."""
+        if self.kubelet is not None:
+            self.kubelet.close()
         return self.nvml.shutdown(timeout)
 
     # -- NVML lifecycle -----------------------------------------------------------------------
@@ -358,21 +411,6 @@ class Collector:
             idle = self._idle.observe((uuid, pid, start), process.sm_utilization_ratio, now)
             out.append(replace(process, gpu_idle_seconds=idle, mig_uuids=on_mig.get(pid, ())))
         return tuple(out)
-
-
-def _with_allocations(gpu: Gpu, jobs: dict[str, tuple[str, ...]]) -> Gpu:
-    """``gpu`` with its Slurm allocations (see ``Collector._allocated``)."""
-    found = [
-        Allocation(job)
-        for key in dict.fromkeys((str(gpu.index), gpu.uuid))
-        for job in jobs.get(key, ())
-    ]
-    found += [Allocation(job, d.uuid) for d in gpu.mig_devices for job in jobs.get(d.uuid, ())]
-    if not found and gpu.processes:
-        owners = {p.slurm_job for p in gpu.processes}
-        if len(owners) == 1 and "" not in owners:
-            found = [Allocation(owners.pop(), source="processes")]
-    return replace(gpu, allocations=tuple(dict.fromkeys(found))) if found else gpu
 
 
 def to_gpu_process(
