@@ -19,6 +19,10 @@
 #   GPU_EXPORTER_GPU_NUMBERS     minor (default) or index: what SLURM_JOB_GPUS numbers
 #   NVIDIA_SMI                   the program (default nvidia-smi, looked up in PATH)
 set -u
+# Slurm starts prologs and epilogs without a search path (as deploy/slurm/gpu-health.sh says):
+# the usual one, after whatever PATH a wrapper set.
+PATH="${PATH:+$PATH:}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+export PATH
 
 me=gpu-exporter-job-mapping
 dir="${GPU_EXPORTER_SLURM_JOB_DIR:-/run/gpu-exporter/slurm-jobs}"
