@@ -22,15 +22,20 @@ ARG BASE=python:3.12-slim
 
 # -- builder: a virtual environment made from the wheels, offline --------------------------------
 FROM ${BASE} AS builder
+# The project's extras: kubernetes (grpcio and protobuf) reads the kubelet's pod-resources API;
+# '' leaves them out, for hosts without a kubelet (build.sh --extras '').
+ARG EXTRAS=kubernetes
 
 COPY deploy/container/wheels/ /tmp/wheels/
 # --no-index: only the wheels copied in. pip itself (and setuptools, which Python 3.11's venv
 # adds) is removed afterwards: the agent needs neither, and the image stays smaller.
 RUN python3 -m venv /opt/gpu-exporter \
     && /opt/gpu-exporter/bin/python -m pip install --no-cache-dir --no-index \
-        --disable-pip-version-check --find-links /tmp/wheels gpu-exporter \
+        --disable-pip-version-check --find-links /tmp/wheels "gpu-exporter${EXTRAS:+[$EXTRAS]}" \
     && /opt/gpu-exporter/bin/python -m pip uninstall --yes --quiet pip setuptools \
-    && /opt/gpu-exporter/bin/gpu-exporter --version
+    && /opt/gpu-exporter/bin/gpu-exporter --version \
+    && case ",$EXTRAS," in *,kubernetes,*) /opt/gpu-exporter/bin/python -c \
+        "import exporter.core.podresources.api_pb2_grpc" ;; esac
 
 # -- final: the base with the virtual environment, nothing else ----------------------------------
 FROM ${BASE}
@@ -56,13 +61,15 @@ COPY --from=builder /opt/gpu-exporter /opt/gpu-exporter
 #
 # Bytecode, on purpose: a read-only root cannot cache it, and compiling at every start costs
 # each command about 0.2 s. pip compiled the virtual environment; importing every module of the
-# agent once compiles the standard library's modules it uses, which the official images ship as
+# agent once (the generated gRPC ones only with the kubernetes extra) compiles the standard
+# library's modules it uses, which the official images ship as
 # sources only (about 5 MB; a no-op on Debian's python3, compiled at install).
 RUN mkdir -p /run/gpu-exporter/locks \
     && chmod 1777 /run/gpu-exporter/locks \
-    && PYTHONDONTWRITEBYTECODE='' python -c "import importlib, pkgutil, exporter; \
+    && PYTHONDONTWRITEBYTECODE='' python -c "import importlib, importlib.util, pkgutil, exporter; \
+grpc = importlib.util.find_spec('grpc') is not None; \
 [importlib.import_module(m.name) for m in pkgutil.walk_packages(exporter.__path__, 'exporter.') \
- if not m.name.endswith('__main__')]"
+ if not m.name.endswith('__main__') and (grpc or '.podresources.' not in m.name)]"
 
 # nobody:nogroup. NVML needs no root; reading other users' /proc/PID/{stat,cmdline,cgroup} works
 # as any user unless /proc is mounted with hidepid.

@@ -51,6 +51,7 @@ import yaml
 
 import exporter
 from exporter.config.settings import DEFAULT_PORT
+from exporter.core.kubelet import DEFAULT_SOCKET as DEFAULT_KUBELET_SOCKET
 from exporter.core.locks import SYSTEM_LOCK_DIR
 
 REPO = Path(__file__).resolve().parents[1]
@@ -640,6 +641,13 @@ def test_daemonset_runs_on_gpu_nodes_with_the_hosts_proc_dev_and_locks(variant):
         assert volume["hostPath"]["path"] == host_path, setting
         assert mount.get("readOnly") is True, f"{setting}: the agent only reads {host_path}"
     assert mounts[env["GPU_EXPORTER_LOCK_DIR"]][1]["hostPath"]["type"] == "DirectoryOrCreate"
+    # the kubelet's pod-resources socket, at the path the agent reads by default: its directory,
+    # so that a restarted kubelet's new socket is seen
+    socket_dir = os.path.dirname(DEFAULT_KUBELET_SOCKET)
+    mount, volume = mounts[socket_dir]
+    assert volume["hostPath"] == {"path": socket_dir, "type": "Directory"}
+    assert mount.get("readOnly") is True
+    assert "GPU_EXPORTER_PATHS_KUBELET_SOCKET" not in env
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -685,8 +693,10 @@ def test_daemonset_privileges(variant):
         assert not mount.get("readOnly") and volume["hostPath"]["type"] == "DirectoryOrCreate"
     else:
         assert not added, "capabilities belong to the reaper-kill overlay only"
-        assert pod["securityContext"]["runAsNonRoot"] is True
-        assert pod["securityContext"]["runAsUser"] != 0
+        # uid 0 only to own the kubelet's socket: no capability, read-only everything
+        assert pod["securityContext"]["runAsUser"] == 0
+        assert pod["securityContext"]["runAsNonRoot"] is False
+        assert all(m.get("readOnly") for m, _ in _mounts(objects).values())
         assert reaper["dry_run"] is True
         assert pod.get("hostPID", False) is (variant == "overlays/process-metrics")
 

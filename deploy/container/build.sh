@@ -4,6 +4,7 @@
 #
 #   deploy/container/build.sh [--base IMAGE] [--tag NAME] [--engine podman|docker]
 #                             [--target PYTHON GLIBC ARCH] [--no-strip] [--wheels-only]
+#                             [--extras LIST]
 #                             [-- BUILD-ARGS...]
 #
 # 1. Asks the base image (default python:3.12-slim) which Python, glibc and machine it has, by
@@ -15,8 +16,12 @@
 #    from the project wheel's own requirements. Their shared objects lose their debug
 #    information (strip_wheels.py; some wheels ship it, uvloop's is 12 MB of it), unless
 #    --no-strip.
-# 3. `ENGINE build --build-arg BASE=IMAGE -t NAME [BUILD-ARGS...] .` from the repository's root,
-#    unless --wheels-only.
+# 3. `ENGINE build --build-arg BASE=IMAGE --build-arg EXTRAS=LIST -t NAME [BUILD-ARGS...] .` from
+#    the repository's root, unless --wheels-only.
+#
+# --extras: the project's extras the image gets (default kubernetes: grpcio and protobuf, for
+# the kubelet's pod-resources API, about 19 MB; --extras '' for an image for hosts without a
+# kubelet).
 #
 # Step 2 is the only one that reads a package index: point pip at a mirror or a wheel folder the
 # usual way (PIP_INDEX_URL, PIP_FIND_LINKS with PIP_NO_INDEX=1, pip.conf). PYTHON is the
@@ -33,6 +38,7 @@ tag=""
 target=()
 wheels_only=0
 strip=1
+extras=kubernetes
 
 usage() {
     sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"
@@ -47,6 +53,7 @@ while [ "$#" -gt 0 ]; do
         --target) target=("$2" "$3" "$4"); shift 4 ;;
         --wheels-only) wheels_only=1; shift ;;
         --no-strip) strip=0; shift ;;
+        --extras) extras="$2"; shift 2 ;;
         -h | --help) usage 0 ;;
         --) shift; break ;;
         *) echo "build.sh: unknown argument $1" >&2; usage 2 >&2 ;;
@@ -105,8 +112,12 @@ cp -R "$root/pyproject.toml" "$root/README.md" "$root/exporter" "$source/"
 find "$source" -name __pycache__ -prune -exec rm -rf {} +
 "${pip[@]}" wheel --no-deps --wheel-dir "$wheels" "$source"
 project_wheel=("$wheels"/gpu_exporter-*.whl)
+requirement="${project_wheel[0]}"
+if [ -n "$extras" ]; then
+    requirement="$requirement[$extras]"
+fi
 "${pip[@]}" download --dest "$wheels" --only-binary=:all: --implementation cp \
-    --python-version "$python_version" "${platforms[@]}" "${project_wheel[0]}"
+    --python-version "$python_version" "${platforms[@]}" "$requirement"
 if [ "$strip" = 1 ]; then
     "$PYTHON" "$root/deploy/container/strip_wheels.py" "$wheels"/*.whl
 fi
@@ -121,4 +132,5 @@ format=()
 if [ "$(basename "$engine")" = podman ]; then
     format=(--format docker)  # OCI image configs have no HEALTHCHECK: podman would drop it
 fi
-"$engine" build "${format[@]}" --build-arg "BASE=$base" --tag "$tag" "$@" .
+"$engine" build "${format[@]}" --build-arg "BASE=$base" --build-arg "EXTRAS=$extras" \
+    --tag "$tag" "$@" .
