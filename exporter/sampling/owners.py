@@ -141,13 +141,13 @@ def _pod_names(gpus: Iterable[Gpu]) -> tuple[dict[str, Owner], dict[str, Allocat
     containers: dict[str, set[Allocation]] = {}
     for gpu in gpus:
         for process in gpu.processes or ():
-            pod = uids.get(process.pod_uid)
-            if pod is None or not process.container_id:
+            owner = uids.get(process.pod_uid)
+            if owner is None or not process.container_id:
                 continue
             mine = {
                 replace(a, mig_uuid="")
                 for a in _covering(gpu, process)
-                if a.source == "kubelet" and ("pod", a.namespace, a.pod) == pod
+                if a.source == "kubelet" and ("pod", a.namespace, a.pod) == owner
             }
             if len(mine) == 1:
                 containers.setdefault(process.container_id, set()).update(mine)
