@@ -25,12 +25,9 @@ from exporter.launcher import flags as launcher_flags
 log = logging.getLogger("exporter")
 A = TypeVar("A")
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
-_SERVE_ONLY = {"listen", "interval", "deadline", "log_level", "history", "paths.dev"}
-_SERVE_ONLY |= {"paths.slurm_job_dir", "paths.kubelet_socket", "kubelet.resources"} | {
-    s.key for s in SETTINGS if s.key.startswith(("tls.", "web."))
-}
+_SERVE_ONLY = {s.key for s in SETTINGS if s.serve_only}
 #: Switches: the flag alone means true.
-_SWITCHES = {"expose_cmdline", "web.healthz_without_auth"}
+_SWITCHES = {s.key for s in SETTINGS if s.switch}
 
 
 def _add_settings(
@@ -431,21 +428,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-#: Config attributes that a reload cannot change, with their config keys.
+#: Config attributes that a reload cannot change, with their config keys (the web server's
+#: settings as one: its listener is made once).
 _RESTART_ONLY = {
-    "listen": "listen",
-    "simulate": "simulate",
-    "proc_root": "paths.proc",
-    "dev_root": "paths.dev",
-    "tls_cert_file": "tls.cert_file",
-    "tls_key_file": "tls.key_file",
-    "tls_client_ca_file": "tls.client_ca_file",
-    "history": "history",
-    "lock_dir": "paths.locks",
-    "state_file": "paths.state",
-    "slurm_job_dir": "paths.slurm_job_dir",
-    "kubelet_socket": "paths.kubelet_socket",
-    "kubelet_resources": "kubelet.resources",
+    **{s.field: s.key for s in SETTINGS if not s.reloadable and not s.key.startswith("web.")},
     "web": "web.*",
 }
 

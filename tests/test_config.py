@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import threading
@@ -751,3 +752,19 @@ def test_a_scenario_fifo_is_refused_at_once(tmp_path: Path) -> None:
     path = write(tmp_path, f"simulate: {fifo}\n")
     message = load_in_time(path, fifo)
     assert message == f"{path}:1: simulate: {fifo}: is not a regular file (a FIFO)"
+
+
+def test_each_setting_is_declared_once_and_fills_one_attribute():
+    """A setting is one declaration: its Config (or WebSettings) attribute, flag, variable,
+    reloadability; nothing else lists the settings."""
+    from exporter.config.settings import SETTINGS, WEB_SETTINGS, Config, WebSettings
+
+    config_fields = {f.name for f in dataclasses.fields(Config)} - {"actions", "web"}
+    plain = [s.field for s in SETTINGS if s not in WEB_SETTINGS]
+    assert sorted(plain) == sorted(config_fields)
+    assert sorted(s.field for s in WEB_SETTINGS) == sorted(
+        f.name for f in dataclasses.fields(WebSettings)
+    )
+    for attr in ("key", "flag", "env"):
+        values = [getattr(s, attr) for s in SETTINGS]
+        assert len(values) == len(set(values)), attr

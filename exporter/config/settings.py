@@ -166,7 +166,9 @@ _history = whole(1, 100_000)
 
 @dataclass(frozen=True)
 class Setting:
-    """One setting: its YAML key (dotted), flag, parser, default and meaning."""
+    """One setting, declared once: its YAML key (dotted), flag, parser, default and meaning;
+    the :class:`Config` attribute it fills; whether a reload (SIGHUP) may change it; whether
+    only ``serve`` reads it; whether its flag alone means true."""
 
     key: str
     flag: str
@@ -174,10 +176,23 @@ class Setting:
     default: Any
     help: str
     env_name: str = ""  # when the variable is not GPU_EXPORTER_ + the key
+    attr: str = ""  # when the attribute is not the key with dots as underscores
+    reloadable: bool = False
+    serve_only: bool = False
+    switch: bool = False
 
     @property
     def env(self) -> str:
         return self.env_name or "GPU_EXPORTER_" + self.key.replace(".", "_").upper()
+
+    @property
+    def field(self) -> str:
+        """The attribute of Config (of WebSettings for ``web.*``) it fills."""
+        return (
+            self.attr or self.key.partition(".")[2]
+            if self.key.startswith("web.")
+            else (self.attr or self.key.replace(".", "_"))
+        )
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -187,6 +202,7 @@ SETTINGS: tuple[Setting, ...] = (
         parse_listen,
         f"0.0.0.0:{DEFAULT_PORT}",
         f"HOST:PORT to serve HTTP on (default all interfaces, port {DEFAULT_PORT})",
+        serve_only=True,
     ),
     Setting(
         "interval",
@@ -194,6 +210,8 @@ SETTINGS: tuple[Setting, ...] = (
         _interval,
         "5s",
         "time between samples (default 5s)",
+        reloadable=True,
+        serve_only=True,
     ),
     Setting(
         "deadline",
@@ -201,8 +219,18 @@ SETTINGS: tuple[Setting, ...] = (
         _optional_duration,
         None,
         "how long a sample may take before the Snapshot counts as stale; default: the interval",
+        reloadable=True,
+        serve_only=True,
     ),
-    Setting("log_level", "--log-level", _log_level, "info", "debug, info, warning or error"),
+    Setting(
+        "log_level",
+        "--log-level",
+        _log_level,
+        "info",
+        "debug, info, warning or error",
+        reloadable=True,
+        serve_only=True,
+    ),
     Setting(
         "simulate",
         "--simulate",
@@ -210,7 +238,14 @@ SETTINGS: tuple[Setting, ...] = (
         None,
         "run on simulated GPUs: 'builtin' or a scenario YAML file",
     ),
-    Setting("paths.proc", "--proc", _directory, "/proc", "procfs root (/host/proc in a container)"),
+    Setting(
+        "paths.proc",
+        "--proc",
+        _directory,
+        "/proc",
+        "procfs root (/host/proc in a container)",
+        attr="proc_root",
+    ),
     Setting(
         "paths.locks",
         "--lock-dir",
@@ -218,6 +253,7 @@ SETTINGS: tuple[Setting, ...] = (
         None,
         "launcher lock directory (default /run/gpu-exporter/locks, else a per-user one)",
         env_name="GPU_EXPORTER_LOCK_DIR",
+        attr="lock_dir",
     ),
     Setting(
         "paths.state",
@@ -227,6 +263,7 @@ SETTINGS: tuple[Setting, ...] = (
         "file where the health verdict's critical XIDs outlive a restart (default "
         "/var/lib/gpu-exporter/health.json as root, else ~/.local/state/gpu-exporter/; "
         "'off': kept in memory only; off by default with --simulate)",
+        attr="state_file",
     ),
     Setting(
         "paths.slurm_job_dir",
@@ -234,6 +271,8 @@ SETTINGS: tuple[Setting, ...] = (
         _optional_absolute,
         None,
         "a prolog's job-mapping directory: one file per GPU naming its Slurm job (off by default)",
+        attr="slurm_job_dir",
+        serve_only=True,
     ),
     Setting(
         "paths.kubelet_socket",
@@ -242,6 +281,8 @@ SETTINGS: tuple[Setting, ...] = (
         DEFAULT_KUBELET_SOCKET,
         "the kubelet's pod-resources socket, to name the pod of each GPU and process; off where "
         f"it does not exist, or set to '' (default {DEFAULT_KUBELET_SOCKET})",
+        attr="kubelet_socket",
+        serve_only=True,
     ),
     Setting(
         "kubelet.resources",
@@ -250,6 +291,7 @@ SETTINGS: tuple[Setting, ...] = (
         (),
         "device-plugin resources that are GPUs beside nvidia.com/gpu, nvidia.com/gpu.shared and "
         "nvidia.com/mig-*: a list, or names separated by commas ('*' ends a prefix)",
+        serve_only=True,
     ),
     Setting(
         "paths.dev",
@@ -257,6 +299,8 @@ SETTINGS: tuple[Setting, ...] = (
         _directory,
         "/dev",
         "device root holding nvidiaN nodes (/host/dev in a container)",
+        attr="dev_root",
+        serve_only=True,
     ),
     Setting(
         "tls.cert_file",
@@ -264,9 +308,15 @@ SETTINGS: tuple[Setting, ...] = (
         _optional_file,
         None,
         "serve HTTPS with this certificate",
+        serve_only=True,
     ),
     Setting(
-        "tls.key_file", "--tls-key-file", _optional_file, None, "private key of --tls-cert-file"
+        "tls.key_file",
+        "--tls-key-file",
+        _optional_file,
+        None,
+        "private key of --tls-cert-file",
+        serve_only=True,
     ),
     Setting(
         "tls.client_ca_file",
@@ -274,8 +324,11 @@ SETTINGS: tuple[Setting, ...] = (
         _optional_file,
         None,
         "require client certificates signed by this CA",
+        serve_only=True,
     ),
-    Setting("history", "--history", _history, 120, "Snapshots kept for rules over time"),
+    Setting(
+        "history", "--history", _history, 120, "Snapshots kept for rules over time", serve_only=True
+    ),
     Setting(
         "expose_cmdline",
         "--expose-cmdline",
@@ -283,6 +336,8 @@ SETTINGS: tuple[Setting, ...] = (
         False,
         "show processes' full command lines in /snapshot and status (they may hold secrets; "
         "default: the process name only)",
+        reloadable=True,
+        switch=True,
     ),
 )
 #: The HTTP server's settings, with their bounds (docs: README.md, docs/security.md).
@@ -293,6 +348,7 @@ WEB_SETTINGS: tuple[Setting, ...] = (
         _optional_file,
         None,
         "exporter-toolkit web config file: TLS, basic auth, response headers (instead of --tls-*)",
+        serve_only=True,
     ),
     Setting(
         "web.healthz_without_auth",
@@ -300,6 +356,8 @@ WEB_SETTINGS: tuple[Setting, ...] = (
         switch,
         False,
         "serve /healthz without basic auth, for liveness probes (default false)",
+        serve_only=True,
+        switch=True,
     ),
     Setting(
         "web.max_connections",
@@ -307,6 +365,7 @@ WEB_SETTINGS: tuple[Setting, ...] = (
         whole(1, 65536),
         1024,
         "HTTP connections open at once, idle keep-alive ones included: 1 to 65536 (default 1024)",
+        serve_only=True,
     ),
     Setting(
         "web.head_timeout",
@@ -315,6 +374,7 @@ WEB_SETTINGS: tuple[Setting, ...] = (
         "10s",
         "time a client has to send a request head, TLS handshake included: 100ms to 5m "
         "(default 10s)",
+        serve_only=True,
     ),
     Setting(
         "web.keepalive_timeout",
@@ -322,6 +382,7 @@ WEB_SETTINGS: tuple[Setting, ...] = (
         duration_between(0.0, 3600.0),
         "2m",
         "time an idle keep-alive connection stays open: 0s (no keep-alive) to 1h (default 2m)",
+        serve_only=True,
     ),
     Setting(
         "web.write_timeout",
@@ -329,6 +390,7 @@ WEB_SETTINGS: tuple[Setting, ...] = (
         duration_between(1.0, 600.0),
         "30s",
         "time to send a whole response: 1s to 10m (default 30s)",
+        serve_only=True,
     ),
     Setting(
         "web.max_head_bytes",
@@ -336,6 +398,7 @@ WEB_SETTINGS: tuple[Setting, ...] = (
         whole(1024, 1048576),
         65536,
         "largest request head in bytes: 1024 to 1048576 (default 65536)",
+        serve_only=True,
     ),
 )
 SETTINGS += WEB_SETTINGS
@@ -423,29 +486,11 @@ def load_config(
             scenario(values["simulate"])
         except ConfigError as exc:  # after the flag, variable or file:line that named it
             raise ConfigError(origin["simulate"], "simulate", str(exc)) from None
-    return Config(
-        listen=values["listen"],
-        interval=values["interval"],
-        deadline=values["deadline"] if values["deadline"] is not None else values["interval"],
-        log_level=values["log_level"],
-        simulate=values["simulate"],
-        proc_root=values["paths.proc"],
-        dev_root=values["paths.dev"],
-        lock_dir=values["paths.locks"],
-        state_file=values["paths.state"],
-        tls_cert_file=values["tls.cert_file"],
-        tls_key_file=values["tls.key_file"],
-        tls_client_ca_file=values["tls.client_ca_file"],
-        history=values["history"],
-        actions=parsed,
-        expose_cmdline=values["expose_cmdline"],
-        slurm_job_dir=values["paths.slurm_job_dir"],
-        kubelet_socket=values["paths.kubelet_socket"],
-        kubelet_resources=values["kubelet.resources"],
-        web=WebSettings(
-            **{s.key.partition(".")[2]: values[s.key] for s in WEB_SETTINGS},
-        ),
-    )
+    plain = {s.field: values[s.key] for s in SETTINGS if not s.key.startswith("web.")}
+    if plain["deadline"] is None:
+        plain["deadline"] = plain["interval"]
+    web = WebSettings(**{s.field: values[s.key] for s in WEB_SETTINGS})
+    return Config(**plain, actions=parsed, web=web)
 
 
 def _parse(setting: Setting, raw: Any, where: str) -> Any:
