@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from exporter.actions.base import Action, ActionType, Context
+from exporter.config.options import option, parse_options
 from exporter.config.validate import celsius, duration, non_negative, positive, ratio
 from exporter.config.yamlconf import Section
 from exporter.core.findings import Findings, ThermalLevels
@@ -49,36 +50,22 @@ _BAND_TOLERANCE = 1e-9  # utilizations are whole percents; 0.8 - 0.6 is 0.200000
 class ThermalConfig:
     """Settings of the thermal action (``actions.thermal`` in the config)."""
 
-    warning_celsius: float | None = None  # None: 80, or slowdown - 5 if that is lower
-    critical_celsius: float | None = None  # None: 85, or slowdown if that is lower
-    hysteresis_celsius: float = 5.0
-    for_seconds: float = 30.0  # YAML key "for"
-    outlier_celsius: float = 10.0
-    outlier_utilization_band: float = 0.2
+    #: None: 80, or slowdown - 5 if that is lower
+    warning_celsius: float | None = option(celsius, None)
+    #: None: 85, or slowdown if that is lower
+    critical_celsius: float | None = option(celsius, None)
+    hysteresis_celsius: float = option(non_negative, 5.0)
+    for_seconds: float = option(duration, 30.0, key="for")
+    outlier_celsius: float = option(positive, 10.0)
+    outlier_utilization_band: float = option(ratio, 0.2)
     #: an outlier must also be at least this hot: 50 C among peers idling at 38 C is no hotspot
-    outlier_min_celsius: float = 70.0
+    outlier_min_celsius: float = option(celsius, 70.0)
 
 
 def parse_thermal(section: Section) -> ThermalConfig:
     """Read the thermal keys of ``section`` (not enabled/every/cron, and without ``done()``)."""
-    defaults = ThermalConfig()
-    warning = section.get("warning_celsius", celsius, None)
-    critical = section.get("critical_celsius", celsius, None)
-    config = ThermalConfig(
-        warning_celsius=warning,
-        critical_celsius=critical,
-        hysteresis_celsius=section.get(
-            "hysteresis_celsius", non_negative, defaults.hysteresis_celsius
-        ),
-        for_seconds=section.get("for", duration, defaults.for_seconds),
-        outlier_celsius=section.get("outlier_celsius", positive, defaults.outlier_celsius),
-        outlier_utilization_band=section.get(
-            "outlier_utilization_band", ratio, defaults.outlier_utilization_band
-        ),
-        outlier_min_celsius=section.get(
-            "outlier_min_celsius", celsius, defaults.outlier_min_celsius
-        ),
-    )
+    config = parse_options(ThermalConfig, section)
+    warning, critical = config.warning_celsius, config.critical_celsius
     if warning is not None and critical is not None and critical < warning:
         raise section.error(
             "critical_celsius",

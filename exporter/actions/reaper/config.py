@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from exporter.config.options import option, parse_options
 from exporter.config.validate import boolean, duration, positive_duration, size, string_list, whole
 from exporter.config.yamlconf import Section
 
@@ -30,22 +31,6 @@ DEFAULT_PROTECT_NAMES = (
 )
 
 
-@dataclass(frozen=True)
-class ReaperConfig:
-    """Settings of ``actions.zombie_reaper``."""
-
-    dry_run: bool = True
-    min_age: float = 60.0
-    grace_period: float = 30.0
-    kill_timeout: float = 60.0
-    max_kills_per_run: int = 4
-    protect_names: tuple[str, ...] = DEFAULT_PROTECT_NAMES
-    protect_users: tuple[str, ...] = ("root",)
-    audit_log: str | None = None
-    leaked_min_memory: int = 1024**3
-    kill_classes: tuple[str, ...] = SIGNALLABLE_CLASSES
-
-
 def _kill_classes(raw: Any) -> tuple[str, ...]:
     names = string_list(raw)
     for name in names:
@@ -68,23 +53,25 @@ def _audit_path(raw: Any) -> str | None:
     return path
 
 
+@dataclass(frozen=True)
+class ReaperConfig:
+    """Settings of ``actions.zombie_reaper``."""
+
+    dry_run: bool = option(boolean, True)
+    min_age: float = option(duration, 60.0)
+    grace_period: float = option(duration, 30.0)
+    kill_timeout: float = option(positive_duration, 60.0)
+    max_kills_per_run: int = option(whole(0, 1000), 4)
+    protect_names: tuple[str, ...] = option(string_list, DEFAULT_PROTECT_NAMES)
+    protect_users: tuple[str, ...] = option(string_list, ("root",))
+    audit_log: str | None = option(_audit_path, None)
+    leaked_min_memory: int = option(size, 1024**3)
+    kill_classes: tuple[str, ...] = option(_kill_classes, SIGNALLABLE_CLASSES)
+
+
 def parse_reaper(section: Section) -> ReaperConfig:
     """The reaper's own keys of ``actions.zombie_reaper`` (not enabled/every/cron)."""
-    default = ReaperConfig()
-    config = ReaperConfig(
-        dry_run=section.get("dry_run", boolean, default.dry_run),
-        min_age=section.get("min_age", duration, default.min_age),
-        grace_period=section.get("grace_period", duration, default.grace_period),
-        kill_timeout=section.get("kill_timeout", positive_duration, default.kill_timeout),
-        max_kills_per_run=section.get(
-            "max_kills_per_run", whole(0, 1000), default.max_kills_per_run
-        ),
-        protect_names=section.get("protect_names", string_list, default.protect_names),
-        protect_users=section.get("protect_users", string_list, default.protect_users),
-        audit_log=section.get("audit_log", _audit_path, default.audit_log),
-        leaked_min_memory=section.get("leaked_min_memory", size, default.leaked_min_memory),
-        kill_classes=section.get("kill_classes", _kill_classes, default.kill_classes),
-    )
+    config = parse_options(ReaperConfig, section)
     if not config.dry_run and config.audit_log is None:
         raise section.error("dry_run", "dry_run: false needs audit_log: every signal is recorded")
     return config
