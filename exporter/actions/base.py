@@ -75,3 +75,46 @@ class ActionType(Generic[S]):
     settings: Callable[[], S]  # its settings when the config says nothing
     parse: Callable[[Section], S]  # its own keys (``enabled``, ``every``, ``cron`` are common)
     make: Callable[[S, Context], Action]
+
+
+class SnapshotCursor:
+    """Which of the Snapshots an action is handed it has not processed yet, for actions that
+    carry state from Snapshot to Snapshot. The sampler's sequence starts over when the agent
+    restarts sampling (a new Collector): then everything is new and the state is stale."""
+
+    def __init__(self) -> None:
+        self._last: tuple[int, float] | None = None  # (seq, timestamp) of the last processed
+
+    def new(self, snapshots: Sequence[Snapshot]) -> tuple[list[Snapshot], bool]:
+        """(the Snapshots to process, oldest first; whether the sequence started over, so that
+        what the action remembers must be forgotten first)."""
+        current = _latest_sequence(snapshots)
+        if not current:
+            return [], False
+        restarted = self._restarted(current)
+        if restarted:
+            self._last = None
+        if self._last is None:
+            return current, restarted
+        return [snapshot for snapshot in current if snapshot.seq > self._last[0]], False
+
+    def processed(self, snapshot: Snapshot) -> None:
+        """Remember ``snapshot`` as the last one processed."""
+        self._last = (snapshot.seq, snapshot.timestamp)
+
+    def _restarted(self, current: list[Snapshot]) -> bool:
+        if self._last is None:
+            return False
+        seq, timestamp = self._last
+        if current[-1].seq < seq:
+            return True
+        return any(s.timestamp != timestamp for s in current if s.seq == seq)
+
+
+def _latest_sequence(snapshots: Sequence[Snapshot]) -> list[Snapshot]:
+    """The Snapshots after the last place where ``seq`` goes backwards (all when it never does)."""
+    start = 0
+    for i in range(1, len(snapshots)):
+        if snapshots[i].seq <= snapshots[i - 1].seq:
+            start = i
+    return list(snapshots[start:])

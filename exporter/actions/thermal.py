@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from exporter.actions.base import Action, ActionType, Context
+from exporter.actions.base import Action, ActionType, Context, SnapshotCursor
 from exporter.config.options import option, parse_options
 from exporter.config.validate import celsius, duration, non_negative, positive, ratio
 from exporter.config.yamlconf import Section
@@ -115,7 +115,7 @@ class ThermalAction(Action):
         self.findings = findings if findings is not None else Findings()
         self.log = log or logging.getLogger(__name__)
         self._states: dict[str, _GpuState] = {}
-        self._last: tuple[int, float] | None = None  # (seq, timestamp) of the last processed
+        self._cursor = SnapshotCursor()
         #: (index, uuid, level, outlier) per known GPU, replaced whole at the end of each run so
         #: that other threads (metrics, recommend) read a consistent result; None before a run.
         self._published: tuple[tuple[int, str, int, bool], ...] | None = None
@@ -124,9 +124,12 @@ class ThermalAction(Action):
 
     def run(self, snapshots: Sequence[Snapshot], now: float) -> None:
         """Process the Snapshots not yet seen (oldest first); ``now`` is not used (see module)."""
-        for snapshot in self._new(snapshots):
+        new, restarted = self._cursor.new(snapshots)
+        if restarted:
+            self._states.clear()
+        for snapshot in new:
             self._process(snapshot)
-            self._last = (snapshot.seq, snapshot.timestamp)
+            self._cursor.processed(snapshot)
         self._published = tuple(
             sorted((st.index, uuid, st.level, st.outlier) for uuid, st in self._states.items())
         )
@@ -170,30 +173,6 @@ class ThermalAction(Action):
             critical = configured_critical
             warning = warning if configured_warning is not None else min(warning, critical)
         return warning, critical
-
-    # -- which Snapshots are new ---------------------------------------------------------------
-
-    def _new(self, snapshots: Sequence[Snapshot]) -> list[Snapshot]:
-        """The Snapshots to process; resets the state when the sequence started over."""
-        current = _latest_sequence(snapshots)
-        if not current:
-            return []
-        if self._restarted(current):
-            self._states.clear()
-            self._last = None
-        if self._last is None:
-            return current
-        return [snapshot for snapshot in current if snapshot.seq > self._last[0]]
-
-    def _restarted(self, current: list[Snapshot]) -> bool:
-        """True when ``current`` is not a continuation of the Snapshots processed so far."""
-        if self._last is None:
-            return False
-        seq, timestamp = self._last
-        if current[-1].seq < seq:
-            return True
-        same_seq = [snapshot for snapshot in current if snapshot.seq == seq]
-        return any(snapshot.timestamp != timestamp for snapshot in same_seq)
 
     # -- one Snapshot --------------------------------------------------------------------------
 
@@ -310,15 +289,6 @@ class ThermalAction(Action):
 
 def _known(gpu: Gpu) -> bool:
     return gpu.up and gpu.temperature_celsius is not None
-
-
-def _latest_sequence(snapshots: Sequence[Snapshot]) -> list[Snapshot]:
-    """The Snapshots after the last place where ``seq`` goes backwards (all when it never does)."""
-    start = 0
-    for i in range(1, len(snapshots)):
-        if snapshots[i].seq <= snapshots[i - 1].seq:
-            start = i
-    return list(snapshots[start:])
 
 
 def _peer_median(gpu: Gpu, known: list[Gpu], band: float) -> float | None:
