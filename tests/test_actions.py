@@ -81,7 +81,7 @@ def engine(make_engine):
 
 def test_defaults_without_config():
     config = ActionsConfig()
-    assert set(config.actions) == {"zombie_reaper", "thermal", "health", "recommend"}
+    assert set(config.actions) == {"zombie_reaper", "thermal", "health", "recommend", "waste"}
     assert all(a.enabled for a in config.actions.values())
     assert config.actions["zombie_reaper"].options.dry_run is True
     assert "default" in config.actions["recommend"].options.policies

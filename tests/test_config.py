@@ -567,6 +567,8 @@ DURATION_KEYS = {
     "actions.health.rate_window": "366d",
     "actions.health.clocks_window": "366d",
     "actions.recommend.every": "366d",
+    "actions.waste.every": "366d",
+    "actions.waste.for": "366d",
     "web.head_timeout": "5m",
     "web.keepalive_timeout": "1h",
     "web.write_timeout": "10m",
@@ -574,6 +576,9 @@ DURATION_KEYS = {
 SIZE_KEYS = {
     "actions.zombie_reaper.leaked_min_memory": "1PiB",
     "actions.recommend.policies.default.min_free_memory": "1PiB",
+    "actions.waste.min_memory": "1PiB",
+    "actions.waste.orphaned_min_memory": "1PiB",
+    "actions.waste.leak.min_growth": "1PiB",
 }
 EXAMPLE = Path(__file__).resolve().parent.parent / "config.example.yaml"
 

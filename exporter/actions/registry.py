@@ -12,7 +12,8 @@ from exporter.actions.health import ACTION as HEALTH
 from exporter.actions.reaper.action import ACTION as REAPER
 from exporter.actions.recommend import ACTION as RECOMMEND
 from exporter.actions.thermal import ACTION as THERMAL
+from exporter.actions.waste import ACTION as WASTE
 
 #: Every action, in the order they are configured and listed.
-ACTIONS: tuple[ActionType[Any], ...] = (REAPER, THERMAL, HEALTH, RECOMMEND)
+ACTIONS: tuple[ActionType[Any], ...] = (REAPER, THERMAL, HEALTH, RECOMMEND, WASTE)
 BY_NAME: Mapping[str, ActionType[Any]] = {action.name: action for action in ACTIONS}

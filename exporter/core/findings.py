@@ -48,6 +48,60 @@ class HealthVerdicts:
     timestamp: float | None = None
 
 
+@dataclass(frozen=True)
+class ProcessWaste:
+    """What the waste action found of one process (only processes with a finding)."""
+
+    user: str
+    name: str
+    memory_bytes: int | None
+    #: idle so far while holding at least min_memory (None: not idle, or holding less)
+    idle_seconds: float | None
+    idle_holder: bool  # idle for at least ``for``
+    growth_bytes: int | None  # a leak suspect's growth over the window; None: no suspect
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "idle_seconds": self.idle_seconds,
+            "idle_holder": self.idle_holder,
+            "leak_growth_bytes": self.growth_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class GpuWaste:
+    """What the waste action found of one GPU."""
+
+    index: int
+    idle_seconds: float | None  # its activity at or below max_utilization so far; None: not
+    allocated: bool
+    allocated_idle: bool  # allocated, and idle for at least ``for``
+    owners: tuple[str, ...]  # "pod NAMESPACE/NAME", "job ID"
+    power_watts: float | None  # beside the finding, never its proof
+    processes: Mapping[int, ProcessWaste]
+    orphaned_memory_bytes: int | None  # None: cannot be told here
+    dead_pids: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "idle_seconds": self.idle_seconds,
+            "allocated_idle": self.allocated_idle if self.allocated else None,
+            "owners": list(self.owners),
+            "power_watts": self.power_watts,
+            "orphaned_memory_bytes": self.orphaned_memory_bytes,
+            "dead_pids": list(self.dead_pids),
+            "idle_holders": sum(p.idle_holder for p in self.processes.values()),
+            "leak_suspects": sum(p.growth_bytes is not None for p in self.processes.values()),
+        }
+
+
+@dataclass(frozen=True)
+class Waste:
+    """The waste action's findings by GPU uuid, as of the latest Snapshot it ran on."""
+
+    gpus: Mapping[str, GpuWaste] = field(default_factory=lambda: _NONE)
+
+
 F = TypeVar("F")
 
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from urllib.parse import parse_qs
 
 from exporter import __version__
-from exporter.core.findings import Findings, HealthVerdicts, ZombieHolders
+from exporter.core.findings import Findings, HealthVerdicts, Waste, ZombieHolders
 from exporter.core.health import health_document
 from exporter.core.selection import Policy, Recommendation
 from exporter.core.visible import check_well_formed, visible_uuids
@@ -286,15 +286,21 @@ class App:
                     "404 Not Found", f"no GPU {sorted(missing)[0]!r} in the latest Snapshot"
                 )
             data["gpus"] = gpus
-        zombies = self.engine.findings.get(ZombieHolders) if self.engine is not None else None
+        findings = self.engine.findings if self.engine is not None else Findings()
+        zombies = findings.get(ZombieHolders)
         verdicts = zombies.verdicts if zombies is not None else {}
         health = self._verdicts()
+        waste = findings.get(Waste)
         for gpu in data["gpus"]:
             verdict = health.verdicts.get(gpu["uuid"]) if health is not None else None
             gpu["health"] = verdict.to_dict() if verdict is not None else None
+            wasted = waste.gpus.get(gpu["uuid"]) if waste is not None else None
+            gpu["waste"] = wasted.to_dict() if wasted is not None else None
             for proc in gpu["processes"] or ():
                 cls, decision = verdicts.get((gpu["uuid"], proc["pid"]), (None, None))
                 proc["reaper"] = {"class": cls, "decision": decision}
+                found = wasted.processes.get(proc["pid"]) if wasted is not None else None
+                proc["waste"] = found.to_dict() if found is not None else None
         agent = self.sampler.health()
         data["health"] = {"ok": agent.ok, "reason": agent.reason, "stale": agent.stale}
         body = json.dumps(data, indent=1, sort_keys=False).encode()
