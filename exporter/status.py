@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from exporter.core.activity import ORPHANED_MIN_MEMORY, unaccounted_memory
 from exporter.core.fields import RECOVERY_ACTIONS
 from exporter.core.health import Verdict, assess
 from exporter.core.locks import UNKNOWN_HOLDER
@@ -104,6 +105,9 @@ def _gpu_line(gpu: Gpu, now: float, verdict: Verdict | None = None) -> str:
     holders = ", ".join(dict.fromkeys(_allocation(a) for a in gpu.allocations))
     if holders:
         row += f"\n     allocated to {holders}"
+    loose = unaccounted_memory(gpu)
+    if loose is not None and loose > ORPHANED_MIN_MEMORY:
+        row += f"\n     {format_bytes(loose)} of used memory held by no listed process"
     return row
 
 

@@ -98,6 +98,14 @@ def test_status_names_who_holds_each_gpu_and_process():
     assert "python3  [job 77.batch, OUTSIDE ITS ALLOCATION]" in text
 
 
+def test_status_shows_memory_no_listed_process_holds():
+    proc = GpuProcess(42, "compute", 1 << 30, True, name="python3")
+    text = format_status(snapshot(gpu(processes=(proc,))))  # 8 GiB used, 1 GiB listed
+    assert "7.0GiB of used memory held by no listed process" in text
+    small = replace(gpu(processes=(proc,)), memory_used_bytes=(1 << 30) + (1 << 29))
+    assert "held by no listed process" not in format_status(snapshot(small))
+
+
 def test_status_with_no_gpus_says_so():
     assert "no GPUs: the driver answers but lists none" in format_status(snapshot())
 

@@ -39,6 +39,7 @@ from exporter.actions.base import Action, ActionType, Context, SnapshotCursor
 from exporter.config.options import option, parse_options
 from exporter.config.validate import duration, ratio, size, whole
 from exporter.config.yamlconf import Section
+from exporter.core.activity import ORPHANED_MIN_MEMORY, gpu_activity, unaccounted_memory
 from exporter.core.findings import Findings, GpuWaste, ProcessWaste, Waste
 from exporter.core.procfs import in_initial_pid_namespace
 from exporter.core.snapshot import Gpu, GpuProcess, Snapshot
@@ -58,7 +59,7 @@ class WasteConfig:
     min_memory: int = option(size, 1 << 30)
     max_utilization: float = option(ratio, 0.05)
     for_seconds: float = option(duration, 1800.0, key="for")
-    orphaned_min_memory: int = option(size, 1 << 30)
+    orphaned_min_memory: int = option(size, ORPHANED_MIN_MEMORY)
     leak_samples: int = option(whole(2, 10_000), 12, key="leak.samples")
     leak_min_growth: int = option(size, 256 << 20, key="leak.min_growth")
 
@@ -66,23 +67,6 @@ class WasteConfig:
 def parse_waste(section: Section) -> WasteConfig:
     """The waste action's own keys (not enabled/every/cron, and without ``done()``)."""
     return parse_options(WasteConfig, section)
-
-
-def activity(gpu: Gpu) -> float | None:
-    """The GPU's activity, 0-1: GPM's SM activity where known, else its utilization."""
-    sm_active = gpu.fields.get("sm_active")
-    return sm_active if sm_active is not None else gpu.utilization_ratio
-
-
-def unaccounted_memory(gpu: Gpu) -> int | None:
-    """Used memory no listed process accounts for; None where it cannot be told (memory or a
-    process's memory unknown)."""
-    if gpu.memory_used_bytes is None or gpu.processes is None:
-        return None
-    listed = [p.used_memory_bytes for p in gpu.processes]
-    if any(used is None for used in listed):
-        return None
-    return max(0, gpu.memory_used_bytes - sum(u for u in listed if u is not None))
 
 
 @dataclass
@@ -150,7 +134,7 @@ class WasteAction(Action):
         seen: set[_Key] = set()
         gpus = _known(snapshot)
         for gpu in gpus:
-            busy = activity(gpu)
+            busy = gpu_activity(gpu)
             _time(state.idle_since, gpu.uuid, busy is not None and busy <= limit, now)
             for process in gpu.processes or ():
                 key = (gpu.uuid, process.pid, process.start_time)
