@@ -234,20 +234,12 @@ def test_gpus_and_processes_are_named_by_pod_and_container(simulated, clock, tmp
     assert outside == {(1, 5003), (2, 5002)}
 
     found = samples(render(snap, SelfStats(5)))
-    info = {
-        (s.labels["gpu"], s.labels["namespace"], s.labels["pod"], s.labels["container"])
-        for s in found["gpu_allocation_info"]
-    }
-    assert info == {
+    assert _labels(found["gpu_allocation_info"], "gpu", "namespace", "pod", "container") == {
         ("0", "ml", "train-0", "trainer"),
         ("1", "web", "infer", "server"),
         ("2", "ml", "train-0", "logger"),
     }
-    owner_info = {
-        (s.labels["gpu"], s.labels["pid"], s.labels["pod"], s.labels["container"])
-        for s in found["gpu_process_owner_info"]
-    }
-    assert owner_info == {
+    assert _labels(found["gpu_process_owner_info"], "gpu", "pid", "pod", "container") == {
         ("0", "5001", "train-0", "trainer"),
         ("1", "5003", "train-0", "trainer"),
         ("1", "5005", "infer", "server"),
@@ -257,6 +249,10 @@ def test_gpus_and_processes_are_named_by_pod_and_container(simulated, clock, tmp
         "1": 1,
         "2": 1,
     }
+
+
+def _labels(series: list, *names: str) -> set[tuple[str, ...]]:
+    return {tuple(s.labels[name] for name in names) for s in series}
 
 
 def test_a_gpu_shared_by_pods_names_none_of_its_processes(simulated, clock, tmp_path):
