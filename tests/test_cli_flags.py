@@ -77,6 +77,8 @@ BAD: dict[str, list[str]] = {
     "--timeout": ["0", "-1s", "soon", "", "nan"],
     "--dev": ["{missing}", "{file}", ""],
     "--slurm-job-dir": ["relative/jobs", "jobs"],
+    "--prometheus": ["nonsense", "ftp://localhost/", ""],
+    "--selector": ["cluster=a", ""],
     "--kubelet-socket": ["relative/kubelet.sock", "kubelet.sock"],
     "--kubelet.resources": ["nvidia.com", "a b/c", "/gpu", "x/y/z", ",,example.com/*x"],
     "--tls-cert-file": ["{missing}", "{dir}"],
@@ -111,6 +113,7 @@ NO_BAD_VALUE = {
     "--json": "a switch without a value",
     "--exclusive": "a switch without a value",
     "--mig": "a switch without a value",
+    "--spread": "a switch without a value",
     "--strict": "a switch without a value",
 }
 #: Where the message names the file the user gave instead of the flag.

@@ -4,7 +4,9 @@ Exit codes: 0 success (``run``: the job's own status, 128+N when signal N ended 
 the launcher between two attempts or while it waited); 75 fewer GPUs than asked for are
 available now, or no GPUs of this host ever could be; 124 ``--wait`` ran out; 1 the launcher
 could not work (NVML unavailable, agent unreachable, a bad lock directory, lock files that cannot
-be used on too many GPUs); 2 bad usage; 126/127 the command could not be run.
+be used on too many GPUs; ``recommend --prometheus``: Prometheus unreachable or failing); 2 bad
+usage (``--prometheus`` with a URL that is not http(s), a ``--selector`` that is not label
+matchers in braces or that Prometheus refuses); 126/127 the command could not be run.
 """
 
 from __future__ import annotations
@@ -149,6 +151,9 @@ def cmd_recommend(args: argparse.Namespace, config: LauncherConfig) -> int:
     """Print the GPUs to use, or why there are not enough (exit 75)."""
     if args.format not in FORMATS:
         raise UsageError(f"--format: one of {', '.join(FORMATS)}, got {args.format!r}")
+    _check_fleet_flags(args)
+    if args.prometheus is not None:
+        return _recommend_fleet(args, config)
     visible_env = os.environ.get("CUDA_VISIBLE_DEVICES")
     cuda_ids: Mapping[str, str] = {}
     never = ""
@@ -174,6 +179,36 @@ def cmd_recommend(args: argparse.Namespace, config: LauncherConfig) -> int:
     if not recommendation.ok:
         raise NoGpusAvailable(recommendation)
     _print_choice(recommendation, args.format, cuda_ids)
+    return 0
+
+
+def _check_fleet_flags(args: argparse.Namespace) -> None:
+    """``--prometheus`` excludes ``--from``; ``--selector`` and ``--spread`` need it."""
+    if args.prometheus is not None and args.source is not None:
+        raise UsageError(
+            "--prometheus: not with --from (--from asks one agent, --prometheus the fleet)"
+        )
+    if args.prometheus is None:
+        for flag, given in (("--selector", args.selector is not None), ("--spread", args.spread)):
+            if given:
+                raise UsageError(f"{flag}: only with --prometheus URL")
+
+
+def _recommend_fleet(args: argparse.Namespace, config: LauncherConfig) -> int:
+    """``recommend --prometheus``: the best host's GPUs, one ``INSTANCE UUID`` line each."""
+    from exporter.launcher import fleet  # only --prometheus pays for it
+
+    prometheus = fleet.Prometheus(args.prometheus)
+    matchers = fleet.parse_selector(args.selector)
+    if args.format not in fleet.FORMATS:
+        raise UsageError(f"--format: with --prometheus, uuid or json, got {args.format!r}")
+    if args.mig:  # the agent exports no launcher locks of MIG devices: they would be missed
+        raise UsageError("--mig: not with --prometheus (MIG devices are chosen on their host)")
+    choice = fleet.recommend_fleet(prometheus, _policy(config, args), matchers, spread=args.spread)
+    if not choice.ok:
+        where = f"Prometheus {args.prometheus}" + (f" {{{matchers}}}" if matchers else "")
+        raise fleet.FleetShortage(choice, where)
+    print(fleet.render(choice, args.format))
     return 0
 
 

@@ -46,6 +46,25 @@ def add_selection_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_fleet_flags(parser: argparse.ArgumentParser) -> None:
+    """``recommend``'s flags for choosing across the hosts one Prometheus scrapes."""
+    parser.add_argument(
+        "--prometheus",
+        metavar="URL",
+        help="choose the best host and GPUs of every fresh agent this Prometheus scrapes",
+    )
+    parser.add_argument(
+        "--selector",
+        metavar="{MATCHERS}",
+        help='with --prometheus: only the targets these label matchers select: {cluster="a"}',
+    )
+    parser.add_argument(
+        "--spread",
+        action="store_true",
+        help="with --prometheus: the GPUs may come from several hosts (default: one host)",
+    )
+
+
 # -- the parsers -----------------------------------------------------------------------------------
 
 
@@ -137,8 +156,12 @@ def add_parsers(commands: Any, add_settings: Callable[[argparse.ArgumentParser],
         add_settings,
     )
     recommend.add_argument(
-        "--format", default="uuid", metavar="FORMAT", help=f"one of {', '.join(FORMATS)}"
+        "--format",
+        default="uuid",
+        metavar="FORMAT",
+        help=f"one of {', '.join(FORMATS)} (with --prometheus: uuid, INSTANCE UUID lines, or json)",
     )
+    add_fleet_flags(recommend)
     run = _subcommand(
         commands,
         "run",
