@@ -371,7 +371,8 @@ SETTINGS = {"-h", "--help", "--config", "--simulate", "--proc", "--lock-dir"}
 
 
 def test_the_launchers_offer_only_the_flags_they_use():
-    assert _flags("recommend") == SETTINGS | SELECTION | {"--format"}
+    fleet = {"--prometheus", "--selector", "--spread"}  # recommend's alone: run locks locally
+    assert _flags("recommend") == SETTINGS | SELECTION | {"--format"} | fleet
     run = {"--wait", "--restart", "--max-restarts", "--restart-reset"}
     assert _flags("run") == SETTINGS | SELECTION | run
     shown = cli("run", "--help").stdout
