@@ -781,6 +781,166 @@ HEALTH: list[Panel] = [
     ),
 ]
 
+# --- the Waste row: idle GPUs and whose they are, memory held by nothing, leak suspects ---------
+
+#: A process's labels, one series per process (a PID listed as compute and graphics is one).
+PROCESS_KEY = "instance, gpu, uuid, pid, user, process"
+#: The waste rules' idle GPU-seconds of the last 24 hours (rules/README.md#waste), per host and
+#: owner: the queries sum them over the selected hosts.
+IDLE_24H = "gpu_idle_seconds:sum24h"
+
+
+def idle_hours(level: str, owner: str) -> str:
+    """Idle GPU-hours of the last 24 hours by ``owner``, from the rule at ``level``, most first."""
+    rule = sel(f"{level}:{IDLE_24H}", gpu=False)
+    return f"sort_desc(sum by ({owner}) ({rule}) / 3600)"
+
+
+def per_process(metric: str) -> str:
+    """``metric`` with only the process's labels, for tables that merge."""
+    return f"max by ({PROCESS_KEY}) ({sel(metric)})"
+
+
+def memory_of(metric: str) -> str:
+    """The GPU memory of the processes that have ``metric``, with only the process's labels."""
+    return f"{per_process('gpu_process_memory_used_bytes')} and on ({PROCESS_KEY}) {sel(metric)}"
+
+
+_IDLE_HOURS_NOTE = (
+    " An idle GPU is counted by the minute, at or below 5 % activity (GPM's SM activity where "
+    "the GPU has it, else its utilization); a GPU shared by several owners counts for each. "
+    "Needs the rules of rules/gpu-exporter.rules.yml (group gpu-exporter.waste)."
+)
+
+WASTE: list[Panel] = [
+    stat(
+        701,
+        "Idle GPUs now",
+        f"sum({sel('instance_gpu:gpu_idle:bool')}) or vector(0)",
+        "none",
+        "GPUs at or below 5 % activity now, allocated or not (the waste rules' "
+        "instance_gpu:gpu_idle:bool).",
+        w=6,
+    ),
+    stat(
+        702,
+        "Allocated GPUs idle",
+        f"count({sel('gpu_allocated_idle')} == 1) or vector(0)",
+        "none",
+        "GPUs allocated to a pod or a Slurm job that have been idle for the waste action's `for` "
+        "(30 minutes by default). GpuAllocatedIdle alerts 30 minutes later.",
+        steps=thresholds((None, "green"), (1, "orange")),
+        w=6,
+    ),
+    stat(
+        703,
+        "Idle memory holders",
+        f"sum({sel('gpu_idle_holders')}) or vector(0)",
+        "none",
+        "Processes holding at least the waste action's min_memory (1 GiB) that have been idle "
+        "for its `for`.",
+        steps=thresholds((None, "green"), (1, "orange")),
+        w=6,
+    ),
+    stat(
+        704,
+        "Leak suspects",
+        f"sum({sel('gpu_leak_suspects')}) or vector(0)",
+        "none",
+        "Processes whose GPU memory grew at each of the waste action's last leak.samples samples.",
+        steps=thresholds((None, "green"), (1, "orange")),
+        w=6,
+    ),
+    table(
+        705,
+        "Idle GPU-hours by namespace (24h)",
+        idle_hours("instance_namespace", "namespace"),
+        ["namespace", "Value"],
+        "GPU-hours the whole GPUs allocated to each Kubernetes namespace were idle in the last "
+        "24 hours, on the selected hosts." + _IDLE_HOURS_NOTE,
+        hide=[],
+        rename={"Value": "idle GPU-hours"},
+        sort_by="idle GPU-hours",
+        w=8,
+    ),
+    table(
+        706,
+        "Idle GPU-hours by Slurm job (24h)",
+        idle_hours("instance_slurm_job", "slurm_job"),
+        ["slurm_job", "Value"],
+        "GPU-hours the GPUs allocated to each Slurm job were idle in the last 24 hours, on the "
+        "selected hosts." + _IDLE_HOURS_NOTE,
+        hide=[],
+        rename={"slurm_job": "Slurm job", "Value": "idle GPU-hours"},
+        sort_by="idle GPU-hours",
+        w=8,
+    ),
+    table(
+        707,
+        "Idle GPU-hours by user (24h)",
+        idle_hours("instance_user", "user"),
+        ["user", "Value"],
+        "GPU-hours each user held idle GPUs in the last 24 hours: a GPU counts for a user while "
+        "a process of theirs holds at least 1 GiB on it (GPUs in MIG mode and processes whose "
+        "user the agent cannot see left out), on the selected hosts." + _IDLE_HOURS_NOTE,
+        hide=[],
+        rename={"Value": "idle GPU-hours"},
+        sort_by="idle GPU-hours",
+        w=8,
+    ),
+    table(
+        708,
+        "Allocated but idle GPUs",
+        f"{sel('gpu_allocation_info')} and on ({GPU_KEY}) {sel('gpu_allocated_idle')} == 1",
+        ["instance", "gpu", "uuid", "namespace", "pod", "container", "slurm_job", "mig_uuid"],
+        "Every allocation (pod container or Slurm job) of a GPU that the waste action finds "
+        "allocated and idle for its `for`, now. The agent's log and /snapshot say the same.",
+        hide=["Value"],
+        w=12,
+    ),
+    timeseries(
+        709,
+        "GPU memory held by no live process",
+        [target(sel("gpu_orphaned_memory_bytes"), GPU_LEGEND)],
+        "bytes",
+        "Memory of PIDs NVML lists that are gone, and used memory no listed process accounts for "
+        "beyond orphaned_min_memory (1 GiB). A GPU reset clears it once no job runs. No data: "
+        "the agent does not see the host's PID namespace.",
+        min_value=0,
+    ),
+    table(
+        710,
+        "Idle processes holding GPU memory (waste action)",
+        [per_process("gpu_process_idle_seconds"), memory_of("gpu_process_idle_seconds")],
+        ["instance", "gpu", "uuid", "pid", "user", "process", "Value #A", "Value #B"],
+        "Processes holding at least the waste action's min_memory (1 GiB) that are idle now, and "
+        "for how long so far; they are idle holders from its `for` (30 minutes) on.",
+        hide=["uuid"],
+        rename={"Value #A": "idle for", "Value #B": "memory"},
+        unit="s",
+        sort_by="idle for",
+        w=12,
+        units={"memory": "bytes"},
+    ),
+    table(
+        711,
+        "Leak suspects: processes whose GPU memory keeps growing",
+        [
+            per_process("gpu_process_memory_growth_bytes"),
+            memory_of("gpu_process_memory_growth_bytes"),
+        ],
+        ["instance", "gpu", "uuid", "pid", "user", "process", "Value #A", "Value #B"],
+        "Processes whose GPU memory grew at each of the waste action's last leak.samples samples "
+        "(12 by default), by leak.min_growth (256 MiB) in all: how much over that window, and "
+        "what they hold now. GpuLeakSuspect alerts after 15 minutes of it.",
+        hide=["uuid"],
+        rename={"Value #A": "growth", "Value #B": "memory"},
+        unit="bytes",
+        sort_by="growth",
+        w=12,
+    ),
+]
+
 # --- the True utilization row: GPM (Hopper and newer), docs/metrics.md#gpm ------------------------
 
 #: GPUs with GPM: the others have none of its metrics.
@@ -1173,6 +1333,7 @@ ROWS: list[tuple[int, str, list[Panel]]] = [
             ),
         ],
     ),
+    (700, "Waste", WASTE),
     (
         300,
         "Actions",
@@ -1555,9 +1716,9 @@ def dashboard() -> dict[str, Any]:
                 }
             ]
         },
-        "description": "NVIDIA GPUs, true utilization (GPM), processes, actions, GPU health (XIDs, "
-        "memory repair, PCIe, NVLink, throttling) and agent health from gpu-exporter. Generated by "
-        "grafana/generate.py.",
+        "description": "NVIDIA GPUs, true utilization (GPM), processes, waste (idle GPUs and "
+        "whose they are), actions, GPU health (XIDs, memory repair, PCIe, NVLink, throttling) and "
+        "agent health from gpu-exporter. Generated by grafana/generate.py.",
         "editable": True,
         "fiscalYearStartMonth": 0,
         "graphTooltip": 1,

@@ -31,6 +31,7 @@ from tests.dashboard import (
 )
 
 GRAFANA = ROOT / "grafana"
+RULES = ROOT / "rules" / "gpu-exporter.rules.yml"
 DATASOURCE_UID = "${datasource}"
 PROVISIONED_DIR = "/var/lib/grafana/dashboards/gpu-exporter"
 GPU_LEGEND = "{{instance}} GPU {{gpu}}"
@@ -43,8 +44,11 @@ GPU_LEGEND = "{{instance}} GPU {{gpu}}"
 NO_GPU_LABEL = re.compile(r"gpu_exporter_\w+|gpu_recommended_devices|process_\w+")
 
 #: A metric name in PromQL or in docs/metrics.md: the agent's gpu_* and the process_* ones.
-#: (``gpu_process_*`` is one name: no word boundary inside it.)
-METRIC = r"\b(?:gpu|process)_\w+"
+#: (``gpu_process_*`` is one name: no word boundary inside it; a recording rule's name such as
+#: ``instance_gpu:gpu_idle:bool`` is none of them, see RECORDED.)
+METRIC = r"(?<![\w:])(?:gpu|process)_\w+(?![\w:])"
+#: A recording rule's name (level:metric:operations), as rules/gpu-exporter.rules.yml records.
+RECORDED = r"(?<![\w:])[a-z_]+:[a-z_]+:[a-z0-9_]+(?![\w:])"
 
 #: (title, panel type, unit or None, a metric the panel's queries use): the required sections.
 REQUIRED = [
@@ -294,8 +298,20 @@ def test_every_metric_is_documented(dashboard: dict[str, Any]) -> None:
                 assert name in documented, (panel["title"], name)
 
 
+def test_every_recorded_series_has_its_rule(dashboard: dict[str, Any]) -> None:
+    recorded = set(re.findall(r"^\s*- record: (\S+)$", RULES.read_text(), re.MULTILINE))
+    used = {
+        name
+        for panel in panels(dashboard)
+        for target in panel["targets"]
+        for name in re.findall(RECORDED, re.sub(r'"[^"]*"', '""', target["expr"]))
+    }
+    assert "instance_namespace:gpu_idle_seconds:sum24h" in used  # the extraction works
+    assert used <= recorded, used - recorded
+
+
 def test_every_selector_is_filtered(dashboard: dict[str, Any]) -> None:
-    selector = re.compile(rf"({METRIC})(\{{[^}}]*\}})?")
+    selector = re.compile(rf"({METRIC}|{RECORDED})(\{{[^}}]*\}})?")
     for panel in panels(dashboard):
         for target in panel["targets"]:
             expr = target["expr"]
@@ -303,7 +319,10 @@ def test_every_selector_is_filtered(dashboard: dict[str, Any]) -> None:
                 where = (panel["title"], name, expr)
                 assert 'job="gpu-exporter"' in matchers, where
                 assert 'instance=~"$instance"' in matchers, where
-                if not NO_GPU_LABEL.fullmatch(name):
+                per_gpu = not NO_GPU_LABEL.fullmatch(name) and (
+                    ":" not in name or name.startswith("instance_gpu:")
+                )
+                if per_gpu:
                     assert 'gpu=~"$gpu"' in matchers, where
 
 
@@ -324,6 +343,7 @@ def test_required_sections(dashboard: dict[str, Any]) -> None:
         "Fleet overview",
         "True utilization",
         "Processes",
+        "Waste",
         "Actions",
         "Health",
         "Agent health",
