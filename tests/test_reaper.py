@@ -20,6 +20,7 @@ import pytest
 from exporter.actions.audit import AuditLog
 from exporter.actions.reaper import CLASSES, ReaperConfig, ZombieReaper, parse_reaper
 from exporter.config.yamlconf import ConfigError, parse_document
+from exporter.core.findings import Findings, ZombieHolders
 from exporter.core.procfs import ProcFs
 
 BASE = 1.7e9  # the collector fixture's wall clock is BASE + the fake clock
@@ -547,3 +548,22 @@ def test_verdicts_give_each_process_its_class_and_last_decision(
     uuid = audit_lines(tmp_path)[0]["uuid"]
     assert reaper.verdicts()[(uuid, job.worker)] == ("orphan", "skipped dry_run")
     assert (uuid, job.leader.pid) not in reaper.verdicts()  # exited: no longer looked at
+
+
+def test_published_holders_carry_the_mode_and_the_recent_decisions(
+    simulated, collector, clock, dev, tmp_path, subreaper
+):
+    job = start_job(subreaper, f"{dev}/nvidia0")
+    simulated(scenario(job.listed()))
+    findings = Findings()
+    dry_run = make_reaper(dev, tmp_path).config
+    reaper = ZombieReaper(dry_run, ProcFs(), dev, findings=findings)
+    orphaned(reaper, collector, clock, job)
+    holders = findings.get(ZombieHolders)
+    assert holders is not None and holders.dry_run
+    decisions = [d for d in holders.recent if d["pid"] == job.worker]
+    assert decisions, holders.recent
+    last = decisions[-1]
+    assert (last["event"], last["class"], last["reason"]) == ("skipped", "orphan", "dry_run")
+    assert last["uuid"] == audit_lines(tmp_path)[0]["uuid"] and last["time"] > 0
+    assert all(set(d) == set(holders.recent[0]) for d in holders.recent)  # one shape

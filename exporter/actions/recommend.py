@@ -13,7 +13,13 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from exporter.actions.base import Action, ActionType, Context
 from exporter.config.policies import parse_policies
 from exporter.config.yamlconf import Section
-from exporter.core.findings import Findings, HealthVerdicts, ThermalLevels, ZombieHolders
+from exporter.core.findings import (
+    Findings,
+    HealthVerdicts,
+    Recommendations,
+    ThermalLevels,
+    ZombieHolders,
+)
 from exporter.core.selection import Policy, Recommendation, recommend, with_default
 from exporter.core.snapshot import Snapshot
 from exporter.exposition.metrics import GPU_LABELS
@@ -63,6 +69,7 @@ class RecommendAction(Action):
     """Recommends GPUs for every configured policy and publishes the choices as metrics."""
 
     name: ClassVar[str] = "recommend"
+    publishes: ClassVar[tuple[type, ...]] = (Recommendations,)
 
     def __init__(
         self,
@@ -84,6 +91,7 @@ class RecommendAction(Action):
         }
         gpus = tuple((g.index, g.uuid) for g in (snapshots[-1].gpus if snapshots else ()) if g.uuid)
         self._findings = _Findings(MappingProxyType(recommendations), gpus)
+        self.findings.publish(Recommendations(self._findings.recommendations))
 
     def latest(self) -> Mapping[str, Recommendation]:
         """The last run's recommendation of every policy by name (empty before the first run)."""

@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from exporter.core.health import Verdict
+from exporter.core.selection import Recommendation
 
 _NONE: Mapping[Any, Any] = MappingProxyType({})
 
@@ -37,6 +38,22 @@ class ZombieHolders:
     verdicts: Mapping[tuple[str, int], tuple[str | None, str | None]] = field(
         default_factory=lambda: _NONE
     )
+    #: whether it only reports (the default) or signals orphans
+    dry_run: bool = True
+    #: its latest decisions, oldest first, as written to the audit log (at most
+    #: ``RECENT_DECISIONS``): event, class, gpu, uuid, pid, process, user, reason, signal, time
+    recent: tuple[Mapping[str, Any], ...] = ()
+
+
+#: Decisions of the reaper kept for ``ZombieHolders.recent`` (/snapshot, the status page).
+RECENT_DECISIONS = 20
+
+
+@dataclass(frozen=True)
+class Recommendations:
+    """The recommend action's latest choice of every configured policy, by policy name."""
+
+    by_policy: Mapping[str, Recommendation] = field(default_factory=lambda: _NONE)
 
 
 @dataclass(frozen=True)

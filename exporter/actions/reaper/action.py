@@ -35,8 +35,11 @@ import fnmatch
 import logging
 import os
 import signal
+import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -46,13 +49,24 @@ from exporter.actions.base import Action, ActionType, Context
 from exporter.actions.reaper.config import CLASSES, ReaperConfig, parse_reaper
 from exporter.actions.reaper.evidence import JobEnd, JobWatch, pidfd_exited
 from exporter.core import privileges
-from exporter.core.findings import Findings, ZombieHolders
+from exporter.core.findings import RECENT_DECISIONS, Findings, ZombieHolders
 from exporter.core.locks import SUFFIX as LOCK_SUFFIX
 from exporter.core.procfs import Credentials, ProcessInfo, ProcFs, file_identity, scan_fd_holders
 from exporter.core.snapshot import Gpu, GpuProcess, Snapshot
 from exporter.exposition.metrics import GPU_LABELS
 
 log = logging.getLogger(__name__)
+
+#: The keys of a recent decision (``ZombieHolders.recent``): always all of them, None when an
+#: audit record has no such key.
+_RECENT_KEYS: Mapping[str, Any] = dict.fromkeys(
+    ("event", "class", "gpu", "uuid", "pid", "process", "user", "reason", "signal", "why")
+)
+
+
+def _recent(record: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``ZombieHolders.recent`` keeps of an audit record: its decision, and when."""
+    return {"time": time.time(), **{k: record.get(k) for k in _RECENT_KEYS}}
 
 
 @dataclass
@@ -153,6 +167,7 @@ class ZombieReaper(Action):
         self._counts: dict[tuple[int, str], dict[str, int]] | None = None
         self._classes: dict[tuple[str, int], str] = {}  # (uuid, pid) -> class, last run
         self._decisions: dict[tuple[str, int], str] = {}  # (uuid, pid) -> last audit event
+        self._recent: deque[Mapping[str, Any]] = deque(maxlen=RECENT_DECISIONS)
         self._namespace_warned = False
         self.actions_total: dict[tuple[str, str], int] = {}
         self._caps = privileges.effective()
@@ -210,7 +225,11 @@ class ZombieReaper(Action):
         self._classes = {(f.gpu.uuid, f.pid): f.cls for f in findings if f.pid}
         self._decisions = {k: v for k, v in self._decisions.items() if k[1] in present}
         self._signal_orphans([f for f in findings if f.cls == "orphan" and f.info], now)
-        self.findings.publish(ZombieHolders(self.holders_found(), self.verdicts()))
+        self.findings.publish(
+            ZombieHolders(
+                self.holders_found(), self.verdicts(), self.config.dry_run, tuple(self._recent)
+            )
+        )
 
     def _classify(self, latest: Snapshot, now: float) -> tuple[list[_Finding], set[int]]:
         """The findings of this run, and every PID looked at (listed or holding a GPU)."""
@@ -643,6 +662,7 @@ class ZombieReaper(Action):
         if written and record.get("pid") and record.get("uuid"):  # only what really happened
             words = (record["event"], record.get("signal"), record.get("reason"))
             self._decisions[(record["uuid"], record["pid"])] = " ".join(w for w in words if w)
+            self._recent.append(MappingProxyType(_recent(record)))
         return written
 
     def verdicts(self) -> Mapping[tuple[str, int], tuple[str | None, str | None]]:
