@@ -665,9 +665,12 @@ def overlapping(spans: list[tuple[int, int]]) -> bool:
     return any(b[0] < a[1] for a, b in itertools.pairwise(spans))
 
 
-def wait_compacted(prom: Prometheus, timeout: float) -> tuple[float, int]:
+def wait_compacted(prom: Prometheus, timeout: float, wait: bool = True) -> tuple[float, int]:
     """Wait until Prometheus has merged the overlapping blocks (vertical compaction): (seconds,
-    blocks). It compacts a minute after it starts, then every minute."""
+    blocks). It compacts a minute after it starts, then every minute. Without ``wait``, the
+    blocks as they are now."""
+    if not wait:
+        return 0.0, len(blocks(prom.tsdb))
     started = time.monotonic()
     stable = 0
     while time.monotonic() - started < timeout:
@@ -1284,6 +1287,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--head-scrapes", type=int, default=6, help="live scrapes timed (6)")
     p.add_argument("--min-free", type=float, default=3.0, help="GiB left before head stops (3)")
     p.add_argument("--compaction-timeout", type=_duration, default=1200.0)
+    p.add_argument(
+        "--no-compaction-wait",
+        dest="compaction_wait",
+        action="store_false",
+        help="query the overlapping blocks as they are, merged at query time, instead of waiting "
+        "for Prometheus to compact them (it does each minute): for quick runs, not for figures",
+    )
     p.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (TSDB included)")
     p.add_argument("--reuse", metavar="DIR", help="query the TSDB a --keep run left in DIR")
     p.add_argument("--json", metavar="FILE", help="write every figure to FILE")
@@ -1398,7 +1408,9 @@ def query_phase(
     servers = [prom]
     try:
         build.ready_s = prom.wait_ready()
-        build.compaction_s, build.blocks = wait_compacted(prom, args.compaction_timeout)
+        build.compaction_s, build.blocks = wait_compacted(
+            prom, args.compaction_timeout, args.compaction_wait
+        )
         build.disk_bytes = disk_bytes(tsdb)
         build.prometheus_rss_mb = prom.rss_mb()
         report["tsdb"] = asdict(build)
@@ -1506,7 +1518,7 @@ def rules_step(
     shutil.rmtree(out, ignore_errors=True)
     prom = Prometheus(reaper, prom.tsdb, folder)
     prom.wait_ready()
-    compaction_s, _ = wait_compacted(prom, args.compaction_timeout)
+    compaction_s, _ = wait_compacted(prom, args.compaction_timeout, args.compaction_wait)
     timings = [
         time_query(prom, Timing(name, expr, "instant"), args.runs, at, args.query_budget)
         for name, expr in recorded
