@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from exporter.config.validate import duration_between, switch, whole
+from exporter.config.validate import duration_between, peer_urls, switch, whole
 from exporter.config.yamlconf import ConfigError, Document, Section, load_document
 from exporter.core.kubelet import DEFAULT_SOCKET as DEFAULT_KUBELET_SOCKET
 from exporter.core.kubelet import resource_names
@@ -77,6 +77,8 @@ class Config(Generic[A]):
     slurm_job_dir: str | None = None  # a prolog's job-mapping directory (core.jobmap)
     kubelet_socket: str | None = None  # the kubelet's pod-resources socket (core.kubelet)
     kubelet_resources: tuple[str, ...] = ()  # resource names beside core.kubelet.GPU_RESOURCES
+    peers: tuple[str, ...] = ()  # other agents' base URLs, for the status page (web.peers)
+    peer_timeout: float = 2.0
 
 
 def parse_listen(value: Any) -> Listen:
@@ -338,6 +340,23 @@ SETTINGS: tuple[Setting, ...] = (
         "default: the process name only)",
         reloadable=True,
         switch=True,
+    ),
+    Setting(
+        "peers",
+        "--peers",
+        peer_urls,
+        "",
+        "other agents' base URLs (comma-separated) for the status page's Hosts table; the agent "
+        "fetches their /snapshot itself",
+        serve_only=True,
+    ),
+    Setting(
+        "peer_timeout",
+        "--peer-timeout",
+        duration_between(0.1, 30.0),
+        "2s",
+        "time each fetch of a peer's /snapshot may take: 100ms to 30s (default 2s)",
+        serve_only=True,
     ),
 )
 #: The HTTP server's settings, with their bounds (docs: README.md, docs/security.md).

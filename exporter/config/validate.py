@@ -14,6 +14,7 @@ import math
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from exporter.core.units import (
     FOREVER,
@@ -197,3 +198,40 @@ def string_list(raw: Any) -> tuple[str, ...]:
     if not isinstance(raw, list) or not all(isinstance(item, (str, int)) for item in raw):
         raise ValueError(f"expected a list of names, got {raw!r}")
     return tuple(str(item) for item in raw)
+
+
+#: The most peers a status page lists (``peers``).
+MAX_PEERS = 64
+
+
+def base_url(value: str) -> str:
+    """A peer's base URL (``http://host:9402`` or ``https://...``, a path allowed), without a
+    trailing slash; ValueError saying what is wrong."""
+    text = str(value).strip()
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError as exc:
+        raise ValueError(f"peer {text!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"peer {text!r}: expected http://HOST:PORT or https://HOST:PORT")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"peer {text!r}: no credentials in a peer URL (the page shows it)")
+    if parts.query or parts.fragment:
+        raise ValueError(f"peer {text!r}: a base URL has no query or fragment")
+    return text.rstrip("/")
+
+
+def peer_urls(value: Any) -> tuple[str, ...]:
+    """The ``peers`` setting: a YAML list or a comma-separated string of base URLs."""
+    if value in (None, ""):
+        return ()
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"expected a list of base URLs, got {type(value).__name__}")
+    urls = tuple(base_url(item) for item in items if str(item).strip())
+    if len(urls) > MAX_PEERS:
+        raise ValueError(f"at most {MAX_PEERS} peers, got {len(urls)}")
+    if len(set(urls)) != len(urls):
+        raise ValueError("a peer is listed twice")
+    return urls
