@@ -4,8 +4,10 @@
 # The end-to-end test needs Prometheus and Alertmanager, the HTTP benchmark's smoke test wrk and
 # nginx, the container test (tests/test_container.py) podman, runc, catatonit (a pod's init)
 # and mmdebstrap, the Slurm cluster test (tests/test_slurm_cluster.py) slurmd, slurmctld and
-# munge: when they are missing, they are installed from Debian's packages if this runs as root;
-# otherwise those tests are skipped and say why.
+# munge, the status page's browser test (tests/test_page_browser.py) Debian's chromium and
+# chromium-driver (selenium drives the system browser, offline): when they are missing, they are
+# installed from Debian's packages if this runs as root; otherwise those tests are skipped and
+# say why.
 # Tests marked `gpu` run only where a real NVIDIA driver answers; elsewhere they are skipped.
 # Then the NVML layer's tests run once more on the oldest nvidia-ml-py the project allows.
 set -euo pipefail
@@ -15,7 +17,8 @@ PYTHON="${PYTHON:-python3}"
 missing=()
 for tool in prometheus:prometheus prometheus-alertmanager:prometheus-alertmanager wrk:wrk \
     nginx:nginx-light podman:podman runc:runc catatonit:catatonit mmdebstrap:mmdebstrap \
-    slurmd:slurmd slurmctld:slurmctld munged:munge; do
+    slurmd:slurmd slurmctld:slurmctld munged:munge chromium:chromium \
+    chromedriver:chromium-driver; do
     command -v "${tool%%:*}" >/dev/null || missing+=("${tool#*:}")
 done
 if [ "${#missing[@]}" -gt 0 ]; then

@@ -262,6 +262,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _peers(config: Config) -> Any:
+    """The status page's peer watcher (``web.peers``), or None without ``peers``: it fetches
+    each peer's /snapshot every interval (at least every second) within ``peer_timeout``."""
+    if not config.peers:
+        return None
+    from exporter.web.client import get_json
+    from exporter.web.peers import PeerWatcher
+
+    interval = max(config.interval, 1.0)
+    return PeerWatcher(config.peers, get_json, interval, config.peer_timeout)
+
+
 def _kubelet(config: Config) -> Any:
     """The kubelet's pod-resources client, or None when the socket is set off. Its call's
     timeout is half the interval (at most 1 s): a hung kubelet never costs a sample more."""
@@ -372,9 +384,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             lock_dir=lock_dir,
             state_file=state_file,
         )
+        peers = _peers(config)
         try:
             server = serve(
-                App(sampler, engine),
+                App(sampler, engine, peers),
                 config.listen.host,
                 config.listen.port,
                 cert_file=config.tls_cert_file,
@@ -399,6 +412,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sampler.start()
         xids.start()
         engine.start()
+        if peers is not None:
+            peers.start()
         scheme = "https" if config.tls_cert_file or (web and web.ssl_context) else "http"
         log.info(
             "serving on %s://%s (interval %gs%s)",
@@ -418,6 +433,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 config = reloaded or config
         xids.request_stop()  # its wait ends meanwhile (within a second)
         server.close()
+        if peers is not None:
+            peers.stop()
         engine.stop()
         if not sampler.stop(timeout=0.5):
             log.warning("a sample is still running (NVML hung?); exiting without waiting for it")

@@ -20,6 +20,7 @@ from exporter.sampling.collect import Collector
 from exporter.sampling.sampler import Sampler
 from exporter.web.routes import (
     App,
+    Route,
     accept_encoding_weights,
     gzip_preferred,
     openmetrics_preferred,
@@ -455,14 +456,23 @@ def test_the_server_exports_its_own_state(quick):
     assert found[("gpu_exporter_http_requests_total", (("code", "404"), ("path", "other")))] == 1
 
 
-def test_only_routes_that_do_work_per_request_leave_the_event_loop(quick):
-    """``App.inline``: the server calls the app on its loop for the routes that read what the
-    sampler rendered, and on a worker thread for those that build an answer per request."""
+def test_only_routes_that_hand_out_bytes_made_before_stay_on_the_event_loop(quick):
+    """``App.inline``: the server calls the app on its loop for the routes that say so (the
+    exposition, /healthz, the page's assets, the peers' rows), and on a worker thread for every
+    other: the default, so a new route that does work per request cannot stall the loop."""
     app = quick().app
-    for path in ("/metrics", "/healthz", "/", "/nope"):
+    on_loop = {
+        "/metrics",
+        "/healthz",
+        "/peers",
+        *(p for p in app.routes if p.startswith("/static/")),
+    }
+    assert {path for path, route in app.routes.items() if route.inline} == on_loop
+    for path in (*on_loop, "/nope"):
         assert app.inline({"PATH_INFO": path, "REQUEST_METHOD": "GET"}), path
-    for path in ("/snapshot", "/recommend"):
+    for path in ("/", "/snapshot", "/history", "/recommend", "/health/gpus"):
         assert not app.inline({"PATH_INFO": path, "REQUEST_METHOD": "GET"}), path
+    assert Route(app.landing).inline is False  # what a route gets when it says nothing
 
 
 def test_the_path_label_stays_bounded(quick):

@@ -21,7 +21,15 @@ from typing import Any, Protocol
 from urllib.parse import parse_qs
 
 from exporter import __version__
-from exporter.core.findings import Findings, HealthVerdicts, Waste, ZombieHolders
+from exporter.config.validate import positive
+from exporter.core.findings import (
+    Findings,
+    HealthVerdicts,
+    Recommendations,
+    ThermalLevels,
+    Waste,
+    ZombieHolders,
+)
 from exporter.core.health import health_document
 from exporter.core.selection import Policy, Recommendation
 from exporter.core.visible import check_well_formed, visible_uuids
@@ -35,8 +43,11 @@ from exporter.exposition.metrics import (
     render_web_config,
 )
 from exporter.sampling.sampler import Sampler
+from exporter.web import page
 from exporter.web.auth import BasicAuth
 from exporter.web.compress import GzipCache
+from exporter.web.history import history_document
+from exporter.web.peers import PeerWatcher
 from exporter.web.server import HttpServer, Options, WsgiApp, tls_context
 from exporter.web.stats import HttpStats, ReloadStats
 from exporter.web.webconfig import RELOAD_INTERVAL, WebConfig, WebConfigReloader
@@ -82,6 +93,8 @@ _LANDING = """<!doctype html>
 (<code>?gpu=INDEX|UUID</code>, repeatable)</li>
 <li><a href="health/gpus">/health/gpus</a>: each GPU's health verdict as JSON
 (<code>?gpu=INDEX|UUID</code>, repeatable)</li>
+<li><a href="history">/history</a>: the last minutes of each GPU as JSON
+(<code>?seconds=S&amp;gpu=INDEX|UUID</code>)</li>
 <li><a href="recommend">/recommend</a>: the GPUs to use now
 (<code>?policy=NAME&amp;count=N&amp;min_free_memory=8GiB&amp;max_utilization=0.1&amp;max_temperature=80&amp;exclusive=true&amp;mig=false&amp;visible=0,1</code>)</li>
 </ul></body></html>
@@ -107,6 +120,17 @@ class Response:
     parts: tuple[bytes, ...] = ()
 
 
+@dataclass(frozen=True)
+class Route:
+    """One route of the table: its handler, its query parameters, and whether it answers at
+    once on the server's event loop (``inline``: only for bytes made before, such as the
+    exposition; the default is a worker thread)."""
+
+    handler: Callable[[dict[str, list[str]], dict[str, Any]], Response]
+    params: frozenset[str] = frozenset()
+    inline: bool = False
+
+
 def _text(status: str, message: str) -> Response:
     return Response(status, "text/plain; charset=utf-8", (message + "\n").encode())
 
@@ -114,21 +138,27 @@ def _text(status: str, message: str) -> Response:
 class App:
     """The WSGI application; every route reads the sampler's latest publication."""
 
-    def __init__(self, sampler: Sampler, engine: Actions | None = None) -> None:
+    def __init__(
+        self, sampler: Sampler, engine: Actions | None = None, peers: PeerWatcher | None = None
+    ) -> None:
         self.sampler = sampler
         self.engine = engine
-        self._routes: dict[
-            str, tuple[Callable[[dict[str, list[str]], dict[str, Any]], Response], frozenset[str]]
-        ] = {
-            "/": (self.landing, frozenset()),
-            "/metrics": (self.metrics, frozenset()),
-            "/healthz": (self.healthz, frozenset()),
-            "/snapshot": (self.snapshot, frozenset({"gpu"})),
-            "/recommend": (self.recommend, RECOMMEND_PARAMS),
-            "/health/gpus": (self.health_gpus, frozenset({"gpu"})),
+        self.peers = peers
+        #: Every route: its handler, the query parameters it takes, and whether it answers at
+        #: once on the event loop (it hands out bytes made before); the rest run on a worker.
+        self.routes: Mapping[str, Route] = {
+            "/": Route(self.landing),
+            "/metrics": Route(self.metrics, inline=True),
+            "/healthz": Route(self.healthz, inline=True),
+            "/snapshot": Route(self.snapshot, frozenset({"gpu"})),
+            "/history": Route(self.history, frozenset({"gpu", "seconds"})),
+            "/health/gpus": Route(self.health_gpus, frozenset({"gpu"})),
+            "/recommend": Route(self.recommend, RECOMMEND_PARAMS),
+            "/peers": Route(self.peer_list, inline=True),
+            **{path: Route(self.asset, inline=True) for path in page.STATIC},
         }
         #: The server's counters (``gpu_exporter_http_*``); requests by route, else ``other``.
-        self.http = HttpStats(self._routes)
+        self.http = HttpStats(self.routes)
         #: The web config's reloads (``gpu_exporter_web_config_*``); None: no web config.
         self.web_config: ReloadStats | None = None
         self._gzip = {False: GzipCache(), True: GzipCache()}  # by OpenMetrics or not
@@ -151,10 +181,11 @@ class App:
         return [] if environ.get("REQUEST_METHOD") == "HEAD" else list(parts)
 
     def inline(self, environ: dict[str, Any]) -> bool:
-        """Whether the server may call the app for ``environ`` on its event loop: every route
-        but those that do work per request (JSON of the Snapshot, a recommendation), which it
-        calls on a worker thread."""
-        return environ.get("PATH_INFO") not in _WORKING_ROUTES
+        """Whether the server may call the app for ``environ`` on its event loop: a route that
+        says so (``Route.inline``), and a path that is none (a 404 costs nothing); every other
+        route runs on a worker thread, so a slow one never stalls the other connections."""
+        route = self.routes.get(environ.get("PATH_INFO") or "/")
+        return route.inline if route is not None else True
 
     def _dispatch(self, environ: dict[str, Any]) -> Response:
         method = environ.get("REQUEST_METHOD", "GET")
@@ -164,11 +195,10 @@ class App:
                 response.status, response.content_type, response.body, (("Allow", "GET, HEAD"),)
             )
         path = environ.get("PATH_INFO") or "/"
-        route = self._routes.get(path)
+        route = self.routes.get(path)
         if route is None:
             raise BadRequest("404 Not Found", f"no such path {path!r}; see / for the routes")
-        handler, allowed = route
-        return handler(self._params(environ.get("QUERY_STRING", ""), allowed), environ)
+        return route.handler(self._params(environ.get("QUERY_STRING", ""), route.params), environ)
 
     @staticmethod
     def _params(query: str, allowed: frozenset[str]) -> dict[str, list[str]]:
@@ -202,10 +232,32 @@ class App:
     # -- routes ---------------------------------------------------------------------------
 
     def landing(self, params: dict[str, list[str]], environ: dict[str, Any]) -> Response:
-        health = self.sampler.health()
-        status = "Healthy." if health.ok else f"Not healthy: {health.reason}"
-        page = _LANDING.format(version=__version__, status=status)
-        return Response("200 OK", "text/html; charset=utf-8", page.encode())
+        """The status page (``web.page``) of the latest Snapshot; before the first sample,
+        the list of routes and why there is nothing to show yet."""
+        if self.sampler.latest is None:
+            health = self.sampler.health()
+            text = _LANDING.format(version=__version__, status=f"Not healthy: {health.reason}")
+            return Response(
+                "503 Service Unavailable", "text/html; charset=utf-8", text.encode(), page.HEADERS
+            )
+        body = page.render(
+            self.document(),
+            version=__version__,
+            interval=self.sampler.interval,
+            peers=self.peers.summaries() if self.peers is not None else None,
+        )
+        return Response("200 OK", "text/html; charset=utf-8", body, page.HEADERS)
+
+    def asset(self, params: dict[str, list[str]], environ: dict[str, Any]) -> Response:
+        """The status page's script and stylesheet (``web/static``)."""
+        content_type, body = page.STATIC[environ.get("PATH_INFO", "")]
+        return Response("200 OK", content_type, body, page.HEADERS)
+
+    def peer_list(self, params: dict[str, list[str]], environ: dict[str, Any]) -> Response:
+        """The peers' summary rows (``web.peers``), as the agent last fetched them."""
+        if self.peers is None:
+            raise BadRequest("404 Not Found", "no peers configured (setting peers)")
+        return Response("200 OK", "application/json", self.peers.document())
 
     def metrics(self, params: dict[str, list[str]], environ: dict[str, Any]) -> Response:
         """The sample's exposition and the actions' (both rendered before, in either format),
@@ -273,10 +325,9 @@ class App:
         return Response("200 OK" if result.ok else NOT_ENOUGH_GPUS, "application/json", body)
 
     def snapshot(self, params: dict[str, list[str]], environ: dict[str, Any]) -> Response:
-        published = self.sampler.latest
-        if published is None:
+        if self.sampler.latest is None:
             raise BadRequest("503 Service Unavailable", "no sample yet")
-        data = published.snapshot.to_dict()
+        data = self.document()
         wanted = params.get("gpu")
         if wanted:
             gpus = [g for g in data["gpus"] if str(g["index"]) in wanted or g["uuid"] in wanted]
@@ -286,25 +337,73 @@ class App:
                     "404 Not Found", f"no GPU {sorted(missing)[0]!r} in the latest Snapshot"
                 )
             data["gpus"] = gpus
+        body = json.dumps(data, indent=1, sort_keys=False).encode()
+        return Response("200 OK", "application/json", body)
+
+    def document(self) -> dict[str, Any]:
+        """The latest Snapshot as ``/snapshot`` serves it (and the status page shows it): with
+        what the actions found of each GPU and process, and the agent's health."""
+        published = self.sampler.latest
+        if published is None:
+            raise BadRequest("503 Service Unavailable", "no sample yet")
+        data = published.snapshot.to_dict()
         findings = self.engine.findings if self.engine is not None else Findings()
         zombies = findings.get(ZombieHolders)
         verdicts = zombies.verdicts if zombies is not None else {}
-        health = self._verdicts()
+        health = findings.get(HealthVerdicts)
         waste = findings.get(Waste)
+        thermal = findings.get(ThermalLevels)
+        chosen = findings.get(Recommendations)
+        default = chosen.by_policy.get("default") if chosen is not None else None
+        picked = {c.uuid for c in default.chosen} if default is not None else set()
         for gpu in data["gpus"]:
             verdict = health.verdicts.get(gpu["uuid"]) if health is not None else None
             gpu["health"] = verdict.to_dict() if verdict is not None else None
             wasted = waste.gpus.get(gpu["uuid"]) if waste is not None else None
             gpu["waste"] = wasted.to_dict() if wasted is not None else None
+            level = thermal.levels.get(gpu["uuid"]) if thermal is not None else None
+            gpu["thermal"] = {"level": level} if level is not None else None
+            gpu["recommended"] = gpu["uuid"] in picked if default is not None else None
             for proc in gpu["processes"] or ():
                 cls, decision = verdicts.get((gpu["uuid"], proc["pid"]), (None, None))
                 proc["reaper"] = {"class": cls, "decision": decision}
                 found = wasted.processes.get(proc["pid"]) if wasted is not None else None
                 proc["waste"] = found.to_dict() if found is not None else None
+        data["reaper"] = (
+            {"dry_run": zombies.dry_run, "recent": [dict(d) for d in zombies.recent]}
+            if zombies is not None
+            else None
+        )
         agent = self.sampler.health()
         data["health"] = {"ok": agent.ok, "reason": agent.reason, "stale": agent.stale}
-        body = json.dumps(data, indent=1, sort_keys=False).encode()
-        return Response("200 OK", "application/json", body)
+        return data
+
+    def history(self, params: dict[str, list[str]], environ: dict[str, Any]) -> Response:
+        """The last minutes of each GPU (``web.history``): ``?seconds=S`` (at most what the
+        sampler keeps), ``?gpu=INDEX|UUID`` (repeatable)."""
+        snapshots = self.sampler.history()
+        if not snapshots:
+            raise BadRequest("503 Service Unavailable", "no sample yet")
+        seconds = None
+        given = params.get("seconds")
+        if given:
+            if len(given) > 1:
+                raise BadRequest(
+                    "400 Bad Request", "query parameter 'seconds' given more than once"
+                )
+            try:
+                seconds = positive(given[0])
+            except ValueError as exc:
+                raise BadRequest("400 Bad Request", f"seconds: {exc}") from None
+        try:
+            data = history_document(
+                snapshots, self.sampler.interval, seconds, params.get("gpu", ())
+            )
+        except KeyError as exc:
+            raise BadRequest(
+                "404 Not Found", f"no GPU {exc.args[0]!r} in the latest Snapshot"
+            ) from None
+        return Response("200 OK", "application/json", json.dumps(data).encode())
 
     def _verdicts(self) -> HealthVerdicts | None:
         return self.engine.findings.get(HealthVerdicts) if self.engine is not None else None
@@ -424,8 +523,6 @@ RECOMMEND_PARAMS = frozenset(
         "visible",
     }
 )
-#: Routes that do work per request, rather than read what the sampler rendered: off the loop.
-_WORKING_ROUTES = frozenset({"/snapshot", "/recommend", "/health/gpus"})
 #: /recommend answers this when fewer GPUs than asked for qualify (the body still says why).
 NOT_ENOUGH_GPUS = "409 Conflict"
 
