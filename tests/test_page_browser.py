@@ -316,3 +316,34 @@ def _headers(port: int, path: str) -> tuple[int, dict[str, str]]:
         return response.status, {k.lower(): v for k, v in response.getheaders()}
     finally:
         conn.close()
+
+
+def screenshot_builtin(tmp_path: Path, out: Path, samples: int = 20) -> None:
+    """A full-page screenshot of the page on the built-in scenario, once the charts have
+    ``samples`` of history: ``out``."""
+    with serve(tmp_path, "--simulate", "--interval", "1") as (agent, port):
+        healthz_until(agent, port)
+        with browser(tmp_path) as driver:
+            driver.set_window_size(1280, 900)
+            driver.get(f"http://127.0.0.1:{port}/")
+            wait(driver, lambda: redrawn(driver), "the script's first redraw")
+            body = driver.find_element(By.TAG_NAME, "body")
+            seq = lambda: int(body.get_attribute("data-updated"))  # noqa: E731
+            wait(driver, lambda: seq() >= samples, f"{samples} samples", samples + 20)
+            height = driver.execute_script("return document.documentElement.scrollHeight")
+            driver.set_window_size(1280, height + 20)
+            driver.save_screenshot(str(out))
+
+
+def test_the_built_in_host(tmp_path):
+    out = tmp_path / "page-builtin.png"
+    screenshot_builtin(tmp_path, out, samples=3)
+    assert out.stat().st_size > 10_000
+
+
+if __name__ == "__main__":  # docs/status-page.png: python -m tests.test_page_browser OUT.png
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        screenshot_builtin(Path(folder), Path(sys.argv[1]).resolve())
