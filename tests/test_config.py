@@ -572,6 +572,7 @@ DURATION_KEYS = {
     "web.head_timeout": "5m",
     "web.keepalive_timeout": "1h",
     "web.write_timeout": "10m",
+    "peer_timeout": "30s",
 }
 SIZE_KEYS = {
     "actions.zombie_reaper.leaked_min_memory": "1PiB",

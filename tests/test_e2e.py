@@ -4,6 +4,8 @@ scraping it with our rules, a real Alertmanager routing to a webhook this test r
 The scenario heats GPU 0 and cools it again, leaves an orphan holding GPU 1, and keeps GPU 2 fit
 to recommend while it reports XID 79 (fallen off the bus: resolution reboot) and a row remapping
 pending. GPU 3 has every health signal the dashboard's Health row shows (tests/dashboard.py).
+GPU 0 is also a pod's (a fake kubelet) and GPU 1 Slurm job 4242's, both idle, and a job on GPU 0
+grows its memory at every sample: the Waste row's allocations, idle GPU-hours and leak suspect.
 The thermal, zombie, fatal XID and row remapping alerts must fire in Prometheus, reach the
 webhook through Alertmanager with the right labels, and the thermal one must resolve. Then every
 query of the Grafana dashboard must return data from that Prometheus.
@@ -24,6 +26,7 @@ import pytest
 
 from tests.agent import free_port, healthz_until, http_get, running, serve, stderr_of
 from tests.dashboard import HEALTH_GPU
+from tests.kubelet import fake_kubelet
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS = shutil.which("prometheus")
@@ -40,8 +43,13 @@ pytestmark = [
 SCENARIO = (
     """
 gpus:
+  # GPU 0: allocated to a pod (the fake kubelet) and idle, and a job on it whose memory grows at
+  # every sample (a leak suspect), for the Waste row
   - name: NVIDIA H100 80GB HBM3
     temperature: {points: [[0s, 45], [4s, 45], [6s, 93], [22s, 93], [24s, 45]]}
+    processes:
+      - {spawn: [sleep, "120"], memory: {from: 1GiB, to: 41GiB, over: 120s}}
+  # GPU 1: allocated to Slurm job 4242 (the job-mapping directory) and idle
   - name: NVIDIA H100 80GB HBM3
     temperature: 45
     processes:
@@ -88,7 +96,10 @@ actions:
   thermal: {every: 500ms, for: 2s}
   zombie_reaper: {every: 500ms, min_age: 1s, protect_users: []}
   recommend: {every: 1s}
+  waste: {every: 500ms, for: 2s, leak: {samples: 3, min_growth: 1MiB}}
 """
+#: GPU 0 given to a pod: who the Waste row's idle GPU-hours by namespace charge
+PODS = [("team-a", "notebook", "main", "nvidia.com/gpu", ["0"])]
 
 
 class Webhook:
@@ -172,17 +183,28 @@ def test_alerts_fire_reach_the_webhook_and_resolve(tmp_path):
         "        send_resolved: true\n"
     )
     logs = [tmp_path / "prometheus.log", tmp_path / "alertmanager.log"]
-    with serve(
-        tmp_path,
-        "--simulate",
-        str(scenario),
-        "--config",
-        str(config),
-        "--interval",
-        "0.5",
-        "--lock-dir",
-        str(tmp_path),
-    ) as (agent, agent_port):
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    (jobs / "1").write_text("4242 0\n")  # as a prolog writes it: GPU 1 is job 4242's
+    (tmp_path / "kubelet").mkdir()
+    with (
+        fake_kubelet(tmp_path / "kubelet", PODS) as kubelet,
+        serve(
+            tmp_path,
+            "--simulate",
+            str(scenario),
+            "--config",
+            str(config),
+            "--interval",
+            "0.5",
+            "--lock-dir",
+            str(tmp_path),
+            "--slurm-job-dir",
+            str(jobs),
+            "--kubelet-socket",
+            kubelet.path,
+        ) as (agent, agent_port),
+    ):
         healthz_until(agent, agent_port)
         (tmp_path / "prometheus.yml").write_text(
             "global:\n"
