@@ -17,7 +17,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from exporter.core.fields import READINGS, FieldValue, GpmMetric, Reading  # noqa: E402
+from exporter.core.fields import (  # noqa: E402
+    IDLE_RECHECK_SECONDS,
+    READINGS,
+    FieldValue,
+    GpmMetric,
+    Reading,
+)
 
 DOC = ROOT / "docs" / "metrics.md"
 BEGIN, END = "<!-- readings:begin -->", "<!-- readings:end -->"
@@ -76,9 +82,12 @@ def rows() -> str:
             source = _source(first) + _scale(first)
         absent = sorted({r.absent for r in members if r.absent})
         ecc = " Read only while ECC is on." if first.requires_ecc else ""
+        cadence = _CADENCE[first.cadence]
+        if first.idle_recheck:
+            cadence += f"; every {IDLE_RECHECK_SECONDS:g} s while it reads 0"
         lines.append(
             f"| `{metric}` | {first.kind} | {first.unit} | {', '.join(labels)} | {source} | "
-            f"{_CADENCE[first.cadence]} | {'; '.join(absent) or 'unsupported'}.{ecc} |"
+            f"{cadence} | {'; '.join(absent) or 'unsupported'}.{ecc} |"
         )
     return "\n".join(lines) + "\n"
 

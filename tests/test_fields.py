@@ -427,6 +427,30 @@ def test_slow_readings_are_read_every_30s_and_say_when(simulated, collector, clo
     assert gpu.clocks_hz.keys() == {"graphics", "sm", "memory", "video"}
 
 
+def test_idle_media_engines_are_read_every_5s_and_every_sample_once_busy(
+    simulated, collector, clock
+):
+    driver = simulated(
+        """
+        gpus:
+          - fields:
+              encoder_utilization:
+                points: [[0s, 0], [7s, 0], [7500ms, 0.3], [12s, 0.3], [12500ms, 0]]
+        """
+    )
+    seen = []
+    for _ in range(20):
+        gpu = collector.sample().gpus[0]
+        seen.append(gpu.fields["encoder_utilization"])
+        assert gpu.fields["decoder_utilization"] == 0.0  # idle all along: present, 0
+        clock.advance(1)
+    # idle: read at 0 s and 5 s; at 10 s it is busy: read every sample until it reads 0 (13 s),
+    # then again every 5 s (18 s)
+    assert seen[:10] == [0.0] * 10 and seen[10:13] == [0.3] * 3 and seen[13:] == [0.0] * 7
+    assert driver.calls["nvmlDeviceGetEncoderUtilization"] == 2 + 4 + 1
+    assert driver.calls["nvmlDeviceGetDecoderUtilization"] == 4  # 0, 5, 10 and 15 s
+
+
 def test_a_failed_slow_read_is_absent_and_tried_again_next_sample(simulated, collector, clock):
     driver = simulated("gpus: [{errors: [{field: pcie_link_width, error: Timeout, until: 1s}]}]\n")
     gpu = collector.sample().gpus[0]

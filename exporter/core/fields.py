@@ -23,6 +23,9 @@ Kind = Literal["gauge", "counter"]
 #: Readings of the ``slow`` cadence are read at most this often (and at every sample when the
 #: interval is longer): values that change over tens of seconds or not until a reset.
 SLOW_SECONDS = 30.0
+#: A reading with ``idle_recheck`` that read 0 is read again after this long (and at every
+#: sample while it reads more than 0, or when the interval is longer).
+IDLE_RECHECK_SECONDS = 5.0
 #: NVML's ``NVML_FI_DEV_NVLINK_LINK_COUNT``: how many NVLink links a GPU has (read at start).
 NVLINK_LINK_COUNT = 91
 
@@ -76,6 +79,9 @@ class Reading:
     equals: int | None = None
     absent: str = ""  # for the docs: when it is absent beyond the general rules
     simulated: float = 0.0  # the simulated driver's default, in base units
+    #: An engine that is mostly idle (the video encoder on an ML host): while it reads 0, read
+    #: it only every ``IDLE_RECHECK_SECONDS``; once it reads more, at every sample.
+    idle_recheck: bool = False
 
     @property
     def family(self) -> str:
@@ -673,6 +679,7 @@ READINGS: tuple[Reading, ...] = (
         Function("nvmlDeviceGetEncoderUtilization", item=0),
         0.01,
         absent="GPUs without NVENC where the driver says so",
+        idle_recheck=True,
     ),
     Reading(
         "decoder_utilization",
@@ -683,6 +690,7 @@ READINGS: tuple[Reading, ...] = (
         Function("nvmlDeviceGetDecoderUtilization", item=0),
         0.01,
         absent="GPUs without NVDEC where the driver says so",
+        idle_recheck=True,
     ),
     # -- GPU Performance Monitoring: between this sample and the previous one ---------------
     *(

@@ -258,6 +258,8 @@ class Nvml:
         self._utilization_seen: dict[str, int] = {}
         #: GPU index -> (monotonic time, wall time, values) of its last slow-cadence read.
         self._slow: dict[int, tuple[float, float, dict[str, float]]] = {}
+        #: (GPU index, function) -> when an ``idle_recheck`` function last answered 0.
+        self._idle: dict[tuple[int, str], float] = {}
         #: NVML initialisations so far: event sets and handles of an older one are invalid.
         self.generation = 0
         #: Held while a thread waits for an NVML event (never under ``_lock``, which would
@@ -356,6 +358,7 @@ class Nvml:
         self.incomplete.clear()
         self._utilization_seen.clear()
         self._slow.clear()
+        self._idle.clear()
         self._event_devices.clear()
         self._requests.clear()
         self._gpm.clear()  # the samples went with the previous initialisation
@@ -458,6 +461,7 @@ class Nvml:
         self._unsupported = {key for key in self._unsupported if key[0] != index}
         self._supported = {key for key in self._supported if key[0] != index}
         self._slow.pop(index, None)
+        self._idle = {key: at for key, at in self._idle.items() if key[0] != index}
         self._drop_gpm(index)
         self._mig_static = {k: v for k, v in self._mig_static.items() if k[0] != index}
         handle = self._required("nvmlDeviceGetHandleByIndex", index)
@@ -659,7 +663,8 @@ class Nvml:
             Call("nvmlDeviceGetTemperature", (handle, sensor)),
         )
         values, links = self._read_field_values(info, handle, errors)
-        values.update(self._read_functions(index, handle, errors, "sample"))
+        at = time.monotonic() if now is None else now
+        values.update(self._read_functions(index, handle, errors, "sample", at))
         if info.gpm_supported:
             values.update(self._read_gpm(index, handle, errors, now))
         clocks = {}
@@ -669,9 +674,7 @@ class Nvml:
             value = read(f"clock_{name}", Call("nvmlDeviceGetClockInfo", (handle, clock_type)))
             if value is not None:
                 clocks[name] = float(value) * 1e6
-        slow_at, slow = self._read_slow(
-            index, handle, errors, time.monotonic() if now is None else now
-        )
+        slow_at, slow = self._read_slow(index, handle, errors, at)
         values.update((k, v) for k, v in slow.items() if k in readings.BY_KEY)
         clocks.update((k[len("clock_") :], v) for k, v in slow.items() if k.startswith("clock_"))
         pstate = read("performance_state", Call("nvmlDeviceGetPerformanceState", (handle,)))
@@ -964,10 +967,11 @@ class Nvml:
         return None
 
     def _read_functions(
-        self, index: int, handle: Any, errors: list[SampleError], cadence: str
+        self, index: int, handle: Any, errors: list[SampleError], cadence: str, now: float = 0.0
     ) -> dict[str, float]:
         """The function readings of ``cadence``: each function called once, however many
-        readings share its answer."""
+        readings share its answer. An ``idle_recheck`` one that answered 0 less than
+        ``IDLE_RECHECK_SECONDS`` before ``now`` (monotonic) is 0 without a call."""
         values: dict[str, float] = {}
         answers: dict[str, Any] = {}
         for reading in FUNCTION_READINGS:
@@ -975,6 +979,10 @@ class Nvml:
                 continue
             source = reading.source
             assert isinstance(source, Function)
+            idle_since = self._idle.get((index, source.name)) if reading.idle_recheck else None
+            if idle_since is not None and now - idle_since < readings.IDLE_RECHECK_SECONDS:
+                values[reading.key] = 0.0
+                continue
             if source.name not in answers:
                 answers[source.name] = self._read(
                     index, source.name, errors, Call(source.name, (handle,))
@@ -982,6 +990,11 @@ class Nvml:
             answer = answers[source.name]
             if answer is not None:
                 values[reading.key] = _item(answer, source.item) * reading.scale
+            if reading.idle_recheck:
+                if answer is not None and values[reading.key] == 0:
+                    self._idle[(index, source.name)] = now
+                else:
+                    self._idle.pop((index, source.name), None)
         return values
 
     def _read_slow(
