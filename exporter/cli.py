@@ -93,10 +93,37 @@ def build_parser() -> launcher_flags.CommandParser:
     )
     _add_settings(serve, serve=True)
     status = commands.add_parser(
-        "status", help="print every GPU and its processes once", usage="%(prog)s [FLAGS]"
+        "status",
+        help="print every GPU and its processes, once or redrawn (--watch)",
+        usage="%(prog)s [--watch [SECONDS]] [--from URL] [--json] [FLAGS]",
+        epilog="Colours (the verdicts, temperatures near the slowdown threshold, memory near "
+        "full) only on a terminal, and not with NO_COLOR set or TERM=dumb; the text says the "
+        "same without them.",
     )
     _add_settings(status, serve=False)
-    status.add_argument("--json", action="store_true", help="print the Snapshot as JSON")
+    status.add_argument(
+        "--json",
+        action="store_true",
+        help="print the Snapshot as JSON (with --from: the agent's /snapshot document)",
+    )
+    status.add_argument(
+        "--watch",
+        nargs="?",
+        const="2s",
+        metavar="SECONDS",
+        help="redraw every SECONDS (default 2; or a duration: 500ms, 1m) until Ctrl-C: in "
+        "place on a terminal, frames one after another otherwise",
+    )
+    status.add_argument(
+        "--from",
+        dest="from_url",
+        metavar="URL",
+        help="show the agent at URL (its /snapshot) instead of sampling NVML here; HEALTH "
+        "shows the agent's verdicts (XID history included) where it has them",
+    )
+    status.add_argument(
+        "--timeout", default="10s", metavar="DURATION", help="for --from (default 10s)"
+    )
     health = commands.add_parser(
         "health",
         help="print each GPU's health verdict (exit 0 ok, 1 unhealthy, 2 could not decide)",
@@ -178,8 +205,10 @@ def _simulation(config: Config) -> Iterator[Any]:
         driver.stop()
 
 
-def _sample_once(config: Config) -> Any:
-    """One Snapshot of this host (or of the simulation ``config`` names)."""
+@contextlib.contextmanager
+def _open_collector(config: Config) -> Iterator[Any]:
+    """A Collector of this host (or of the simulation ``config`` names), open for the block:
+    one NVML session for as many samples as the block takes."""
     from exporter.core.nvml import Nvml
     from exporter.core.procfs import ProcFs
     from exporter.sampling.collect import Collector
@@ -192,9 +221,15 @@ def _sample_once(config: Config) -> Any:
             expose_cmdline=config.expose_cmdline,
         )
         try:
-            return collector.sample()
+            yield collector
         finally:
             collector.close()
+
+
+def _sample_once(config: Config) -> Any:
+    """One Snapshot of this host (or of the simulation ``config`` names)."""
+    with _open_collector(config) as collector:
+        return collector.sample()
 
 
 def _parse(parse: Callable[[Any], Any], raw: Any, flag: str) -> Any:
@@ -232,19 +267,43 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Print one Snapshot as a table or JSON."""
-    from exporter.status import format_status
+    """Print one Snapshot, this host's or a running agent's (``--from``), as a table or JSON;
+    with ``--watch``, redraw the table every interval until SIGINT or SIGTERM (exit 0)."""
+    from exporter import status
 
+    try:
+        every, timeout = _status_flags(args)
+    except ValueError as exc:
+        print(f"gpu-exporter status: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.from_url is not None:
+        command = f"gpu-exporter status --from {args.from_url}"
+        if every is not None:
+            status.watch(status.fetched(args.from_url, timeout), every, command, sys.stdout)
+            return EXIT_OK
+        try:
+            document, snapshot = status.fetch(args.from_url, timeout)
+        except status.Unavailable as exc:
+            print(f"gpu-exporter status: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+        if args.json:
+            import json
+
+            print(json.dumps(document, indent=1))
+        else:
+            verdicts = status.agent_verdicts(document)
+            print(status.format_status(snapshot, verdicts, status.colour_wanted(sys.stdout)))
+        return EXIT_OK
     config = _config(args, skip_actions)
     _setup_logging("critical")  # status reports failures itself, in one line
+    if every is not None:
+        command = "gpu-exporter status" + (" --simulate" if config.simulate else "")
+        with _open_collector(config) as collector:
+            status.watch(status.sampled(collector), every, command, sys.stdout)
+        return EXIT_OK
     snapshot = _sample_once(config)
     if not snapshot.nvml_up:
-        print(
-            f"gpu-exporter: NVML is not available: {snapshot.nvml_error}. Is the NVIDIA driver "
-            "installed and loaded? To try gpu-exporter without a GPU: "
-            "gpu-exporter status --simulate",
-            file=sys.stderr,
-        )
+        print(f"gpu-exporter: {status.nvml_unavailable(snapshot)}", file=sys.stderr)
         return EXIT_FAILURE
     if args.json:
         import json
@@ -258,8 +317,27 @@ def cmd_status(args: argparse.Namespace) -> int:
             gpu["health"] = verdict.to_dict() if verdict is not None else None
         print(json.dumps(data, indent=1))
     else:
-        print(format_status(snapshot))
+        print(status.format_status(snapshot, colour=status.colour_wanted(sys.stdout)))
     return EXIT_OK
+
+
+def _status_flags(args: argparse.Namespace) -> tuple[float | None, float]:
+    """``status``'s ``--watch`` interval (None: once) and ``--timeout``; ValueError naming the
+    flag on a bad value or a combination that means nothing."""
+    timeout = _parse(positive_duration, args.timeout, "--timeout")
+    every = None if args.watch is None else _parse(positive_duration, args.watch, "--watch")
+    if args.from_url is not None:
+        from exporter.healthcheck import check_agent_url
+
+        check_agent_url(args.from_url)
+        if args.simulate is not None:
+            raise ValueError(
+                "--from shows a running agent's GPUs and --simulate samples simulated ones "
+                "here: give one of them"
+            )
+    if every is not None and args.json:
+        raise ValueError("--watch redraws the table and --json prints one document: not both")
+    return every, timeout
 
 
 def _peers(config: Config) -> Any:

@@ -25,25 +25,27 @@ class CannotDecide(Exception):
     """No verdict: the message says why, in one line."""
 
 
+def check_agent_url(url: str) -> None:
+    """ValueError (naming ``--from``) unless ``url`` is an http:// or https:// URL (``health``
+    and ``status`` ask an agent there)."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--from: expected an http:// or https:// URL, got {url!r}")
+
+
 def from_agent(url: str, gpus: str | None, timeout: float) -> dict[str, Any]:
     """The agent's ``/health/gpus`` document; CannotDecide when it cannot be had."""
-    import urllib.error  # only --from pays for the HTTP client
-    import urllib.request
+    from exporter.web.client import AgentError, get_json  # only --from pays for HTTP
 
-    if not url.startswith(("http://", "https://")):
-        raise CannotDecide(f"--from: expected an http:// or https:// URL, got {url!r}")
+    try:
+        check_agent_url(url)
+    except ValueError as exc:
+        raise CannotDecide(str(exc)) from None
     target = url.rstrip("/") + "/health/gpus"
     try:
-        with urllib.request.urlopen(target, timeout=timeout) as response:
-            body = response.read(1 << 22)
-    except urllib.error.HTTPError as exc:
-        text = exc.read(500).decode(errors="replace").strip()
-        raise CannotDecide(f"{target}: HTTP {exc.code}: {text}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise CannotDecide(f"cannot reach the agent at {url}: {reason}") from None
+        document = get_json(target, timeout)
+    except AgentError as exc:
+        raise CannotDecide(str(exc)) from None
     try:
-        document = json.loads(body)
         verdicts = document["gpus"]
         if not isinstance(verdicts, list) or not all(
             isinstance(v, dict) and isinstance(v["index"], int) and isinstance(v["uuid"], str)

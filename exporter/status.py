@@ -1,16 +1,22 @@
-"""The one-shot ``status`` view of a Snapshot: a table of GPUs and their processes."""
+"""The ``status`` view of a Snapshot: a table of GPUs and their processes, once or redrawn
+(``--watch``), of this host or of a running agent (``--from``: its ``/snapshot``)."""
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO
 
 from exporter.core.activity import ORPHANED_MIN_MEMORY, unaccounted_memory
 from exporter.core.fields import RECOVERY_ACTIONS
-from exporter.core.health import Verdict, assess
+from exporter.core.health import LEVELS, Check, HealthTracker, Verdict, assess
 from exporter.core.locks import UNKNOWN_HOLDER
 from exporter.core.snapshot import Allocation, Gpu, GpuProcess, Snapshot
-from exporter.core.units import format_bytes
+from exporter.core.units import format_bytes, format_duration
 from exporter.core.xid import KEPT_PER_GPU
+from exporter.terminal import colour_wanted, paint
+from exporter.terminal import watch as redraw
 
 _GPU_ROW = "{:>3}  {:<26} {:>5} {:>5} {:>21} {:>9} {:>13}  {:<14} {}"
 _PROCESS_ROW = "{:>3}  {:>8} {:<12} {:<8} {:>9} {:>4}  {}"
@@ -21,6 +27,19 @@ _ACTIONS = {number: name for number, name, _ in RECOVERY_ACTIONS}
 #: XIDs of the last this many seconds count in the HEALTH column.
 _XID_WINDOW = 3600.0
 _PROCESS_HEADER = _PROCESS_ROW.format("", "PID", "USER", "TYPE", "MEMORY", "SM", "COMMAND")
+#: The colour of each verdict (the HEALTH column says the level in words too).
+_VERDICT_STYLES = {"ok": "green", "warning": "yellow", "critical": "red", "unknown": "dim"}
+#: Temperature is yellow this close below the GPU's slowdown threshold, red at or above it.
+_HOT_MARGIN = 10.0
+#: Memory is yellow, then red, from these shares of it in use.
+_MEMORY_FULL = ((0.98, "red"), (0.90, "yellow"))
+
+#: What a watch shows each frame: a Snapshot and the verdict to show per GPU UUID.
+Take = Callable[[], tuple[Snapshot, Mapping[str, Verdict]]]
+
+
+class Unavailable(Exception):
+    """No Snapshot to show: the message says why, in one line."""
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
@@ -70,9 +89,11 @@ def health_notes(gpu: Gpu, now: float) -> list[str]:
 
 
 def _health(gpu: Gpu, now: float, verdict: Verdict | None) -> str:
-    """The HEALTH column: the verdict one Snapshot supports, then what needs attention."""
+    """The HEALTH column: the verdict, then what needs attention."""
     notes = health_notes(gpu, now)
-    if verdict is None or verdict.level == 0:
+    if verdict is None:
+        return f"UNKNOWN {', '.join(notes)}" if notes else "unknown"
+    if verdict.level == 0:
         return ", ".join(notes) or "ok"
     # the notes are shorter than the checks' reasons; a check they do not cover adds its own
     covered = {"xid", "memory_repair", "recovery_action", "pcie", "nvlink"} if notes else set()
@@ -80,10 +101,28 @@ def _health(gpu: Gpu, now: float, verdict: Verdict | None) -> str:
     return f"{verdict.status.upper()} " + ", ".join([*notes, *extra])
 
 
-def _gpu_line(gpu: Gpu, now: float, verdict: Verdict | None = None) -> str:
+def _temperature_style(gpu: Gpu) -> str | None:
+    """Red at or above the GPU's slowdown threshold, yellow close below it; none where the
+    threshold is not known."""
+    slowdown = gpu.info.temperature_thresholds.get("slowdown") if gpu.info else None
+    celsius = gpu.temperature_celsius
+    if slowdown is None or celsius is None:
+        return None
+    if celsius >= slowdown:
+        return "red"
+    return "yellow" if celsius >= slowdown - _HOT_MARGIN else None
+
+
+def _memory_style(used: int | None, total: int | None) -> str | None:
+    if used is None or not total:
+        return None
+    return next((style for share, style in _MEMORY_FULL if used >= share * total), None)
+
+
+def _gpu_line(gpu: Gpu, now: float, verdict: Verdict | None = None, colour: bool = False) -> str:
     name = gpu.info.name if gpu.info else "?"
     if not gpu.up:
-        return f"{gpu.index:>3}  {name[:26]:<26} DOWN: {gpu.error}"
+        return f"{gpu.index:>3}  {name[:26]:<26} " + paint(f"DOWN: {gpu.error}", "red", colour)
     total = gpu.info.memory_total_bytes if gpu.info else None
     memory = f"{format_bytes(gpu.memory_used_bytes)} / {format_bytes(total)}"
     limit = gpu.info.power_limit_watts if gpu.info else None
@@ -93,7 +132,14 @@ def _gpu_line(gpu: Gpu, now: float, verdict: Verdict | None = None) -> str:
         gpu.utilization_ratio * 100 if gpu.utilization_ratio is not None else None, ".0f", "%"
     )
     free = format_bytes(gpu.memory_free_bytes)
-    health = _health(gpu, now, verdict)
+    health = paint(
+        _health(gpu, now, verdict),
+        _VERDICT_STYLES[verdict.status if verdict is not None else "unknown"],
+        colour,
+    )
+    # padded before painted: the escape sequences take no column
+    temp = paint(f"{temp:>5}", _temperature_style(gpu), colour)
+    memory = paint(f"{memory:>21}", _memory_style(gpu.memory_used_bytes, total), colour)
     row = _GPU_ROW.format(
         gpu.index, name[:26], temp, util, memory, free, power, _throttle(gpu), health
     ).rstrip()
@@ -150,18 +196,25 @@ def _process_line(proc: GpuProcess) -> str:
     return _PROCESS_ROW.format("", proc.pid, user, proc.type, memory, share, command)
 
 
-def format_status(snapshot: Snapshot) -> str:
-    """A gpustat-like table of every GPU and its processes."""
+def format_status(
+    snapshot: Snapshot, verdicts: Mapping[str, Verdict] | None = None, colour: bool = False
+) -> str:
+    """A gpustat-like table of every GPU and its processes. HEALTH shows the verdict
+    ``verdicts`` has for the GPU's UUID (an agent's, or a watch's over its samples), else the
+    one this Snapshot alone supports (no XID history). ``colour``: the verdicts, temperatures
+    near the slowdown threshold and memory near full in ANSI colours (the text stays the same)."""
     host = snapshot.host
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snapshot.timestamp))
     driver, cuda = host.driver_version or "?", host.cuda_version or "?"
     lines = [
         f"{host.hostname}  {when}  driver {driver}  CUDA {cuda}",
-        _HEADER,
+        paint(_HEADER, "bold", colour),
     ]
-    verdicts = assess([snapshot])  # what one Snapshot can tell (no XID history)
+    judged = dict(verdicts or {})
+    if any(gpu.uuid not in judged for gpu in snapshot.gpus):
+        judged = {**assess([snapshot]), **judged}  # what one Snapshot can tell
     for gpu in snapshot.gpus:
-        lines.append(_gpu_line(gpu, snapshot.timestamp, verdicts.get(gpu.uuid)))
+        lines.append(_gpu_line(gpu, snapshot.timestamp, judged.get(gpu.uuid), colour))
         if gpu.processes:
             lines.append(_PROCESS_HEADER)
             lines.extend(_process_line(proc) for proc in sorted(gpu.processes, key=lambda p: p.pid))
@@ -171,3 +224,131 @@ def format_status(snapshot: Snapshot) -> str:
             "the GPUs, e.g. --gpus all?)"
         )
     return "\n".join(lines)
+
+
+def nvml_unavailable(snapshot: Snapshot) -> str:
+    """Why this host's Snapshot has no GPUs to show, and what to try."""
+    return (
+        f"NVML is not available: {snapshot.nvml_error}. Is the NVIDIA driver installed and "
+        "loaded? To try gpu-exporter without a GPU: gpu-exporter status --simulate"
+    )
+
+
+# -- a running agent (--from) -------------------------------------------------------------------
+
+
+def fetch(url: str, timeout: float) -> tuple[dict[str, Any], Snapshot]:
+    """The ``/snapshot`` document of the agent at ``url`` and the Snapshot it holds;
+    Unavailable saying why, in one line, when it cannot be had (unreachable, an HTTP error with
+    the agent's message, not JSON, too large, not a Snapshot, the agent without NVML)."""
+    from exporter.web.client import AgentError, get_json  # only --from pays for HTTP
+
+    target = url.rstrip("/") + "/snapshot"
+    try:
+        document = get_json(target, timeout)
+    except AgentError as exc:
+        raise Unavailable(str(exc)) from None
+    try:
+        snapshot = Snapshot.from_dict(document)
+    except ValueError as exc:
+        raise Unavailable(f"{target}: not a Snapshot: {exc}") from None
+    if not snapshot.nvml_up:
+        raise Unavailable(f"the agent at {url}: NVML is not available: {snapshot.nvml_error}")
+    return document, snapshot
+
+
+def agent_verdicts(document: Mapping[str, Any]) -> dict[str, Verdict]:
+    """The verdicts a ``/snapshot`` document carries (each GPU's ``health``, from the agent's
+    health action, which knows the XID history and the thermal action's levels), by UUID. A GPU
+    without one (the action off, or not run yet), or with one this version cannot read, is left
+    out: :func:`format_status` judges it from the Snapshot."""
+    found = {}
+    for gpu in document.get("gpus") or ():
+        try:
+            checks = tuple(
+                Check(str(name), LEVELS.index(check["status"]), str(check.get("reason") or ""))
+                for name, check in gpu["health"]["checks"].items()
+            )
+            if checks:
+                found[str(gpu["uuid"])] = Verdict(int(gpu["index"]), str(gpu["uuid"]), checks)
+        except (TypeError, KeyError, ValueError, AttributeError):
+            continue
+    return found
+
+
+def fetched(url: str, timeout: float) -> Take:
+    """A watch's frames from the agent at ``url``: one ``/snapshot`` each."""
+
+    def take() -> tuple[Snapshot, Mapping[str, Verdict]]:
+        document, snapshot = fetch(url, timeout)
+        return snapshot, agent_verdicts(document)
+
+    return take
+
+
+def sampled(collector: Any) -> Take:
+    """A watch's frames from ``collector`` (a ``sampling.collect.Collector``, kept open: one
+    NVML session for the whole watch): one sample each, judged with every sample so far."""
+    tracker = HealthTracker()
+
+    def take() -> tuple[Snapshot, Mapping[str, Verdict]]:
+        snapshot = collector.sample()
+        tracker.observe(snapshot)
+        if not snapshot.nvml_up:
+            raise Unavailable(nvml_unavailable(snapshot))
+        return snapshot, tracker.verdicts()
+
+    return take
+
+
+# -- --watch ------------------------------------------------------------------------------------
+
+
+class Frames:
+    """The frames of ``status --watch``: a header line as watch(1)'s (the interval, the command,
+    this host and the time), then the latest table. When a sample or a fetch fails, the line
+    under the header says so (in words, and red) and the last table stays; the watch goes on."""
+
+    def __init__(
+        self,
+        take: Take,
+        interval: float,
+        command: str,
+        colour: bool,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.take = take
+        self.title = f"Every {format_duration(interval)}: {command}"
+        self.colour = colour
+        self.clock = clock
+        self.table: list[str] = []
+        self.table_at: float | None = None
+
+    def __call__(self, width: int | None) -> list[str]:
+        """The next frame's lines, the header fitted to ``width`` columns (None: any)."""
+        now = self.clock()
+        error = ""
+        try:
+            snapshot, verdicts = self.take()
+        except Unavailable as exc:
+            error = str(exc)
+        else:
+            self.table = format_status(snapshot, verdicts, self.colour).split("\n")
+            self.table_at = now
+        right = f"{os.uname().nodename}: {_clock(now)}"
+        gap = max(2, (width or 0) - 1 - len(self.title) - len(right))
+        lines = [self.title + " " * gap + right]
+        if error:
+            since = f"the table below is from {_clock(self.table_at)}" if self.table_at else ""
+            failed = paint(f"failed at {_clock(now)}: {error}", "red", self.colour)
+            lines.append(f"{failed}; {since}" if since else failed)
+        return [*lines, "", *self.table]
+
+
+def watch(take: Take, interval: float, command: str, stream: TextIO) -> None:
+    """Redraw the table every ``interval`` seconds on ``stream`` until SIGINT or SIGTERM."""
+    redraw(Frames(take, interval, command, colour_wanted(stream)), interval, stream)
+
+
+def _clock(timestamp: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))

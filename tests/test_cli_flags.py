@@ -75,6 +75,7 @@ BAD: dict[str, list[str]] = {
     "--exclude-unhealthy": ["maybe", "critical!"],
     "--gpu": ["", ",,", "GPU 0", "0;1"],
     "--timeout": ["0", "-1s", "soon", "", "nan"],
+    "--watch": ["0", "0s", "-1s", "soon", "nan", "1e999"],
     "--dev": ["{missing}", "{file}", ""],
     "--slurm-job-dir": ["relative/jobs", "jobs"],
     "--prometheus": ["nonsense", "ftp://localhost/", ""],

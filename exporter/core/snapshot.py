@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
+import typing
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from exporter.core.xid import XidEvent
 
 K = TypeVar("K")
 V = TypeVar("V")
+D = TypeVar("D", bound="_FromDict")
 _EMPTY: Mapping[Any, Any] = MappingProxyType({})
 
 #: Clock-event (throttle) reason bits, as NVML defines them; names are the metric's ``reason``.
@@ -116,8 +119,21 @@ class LinkReadings(Mapping[int, Mapping[str, float]]):
         return f"LinkReadings({dict(self.items())!r})"
 
 
+class _FromDict:
+    """``from_dict``, the inverse of ``to_dict`` (:func:`_jsonable`), for the Snapshot's types."""
+
+    __slots__ = ()
+
+    @classmethod
+    def from_dict(cls: type[D], data: Any) -> D:
+        """The object ``to_dict`` (or ``/snapshot``) wrote as ``data``: keys it does not know
+        (``/snapshot``'s ``health``, ``waste``, ``reaper``; the derived readings) are ignored, a
+        key with a default may be missing; ValueError naming the key on anything else."""
+        return _from_jsonable(cls, data, "")
+
+
 @dataclass(frozen=True, slots=True)
-class HostInfo:
+class HostInfo(_FromDict):
     """Facts about the host and its driver, read once per NVML initialisation."""
 
     hostname: str
@@ -127,7 +143,7 @@ class HostInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class GpuInfo:
+class GpuInfo(_FromDict):
     """Static facts of one GPU, read once per NVML initialisation."""
 
     index: int
@@ -155,7 +171,7 @@ class GpuInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class MigDevice:
+class MigDevice(_FromDict):
     """One MIG device of a GPU in MIG mode, as one sample saw it."""
 
     uuid: str  # MIG-...
@@ -173,7 +189,7 @@ class MigDevice:
 
 
 @dataclass(frozen=True, slots=True)
-class Allocation:
+class Allocation(_FromDict):
     """Who a GPU (or one of its MIG devices) is allocated to: a Slurm job, or a Kubernetes
     container."""
 
@@ -188,7 +204,7 @@ class Allocation:
 
 
 @dataclass(frozen=True, slots=True)
-class GpuProcess:
+class GpuProcess(_FromDict):
     """A process NVML lists on a GPU, enriched from procfs when the PID is visible here."""
 
     pid: int
@@ -232,7 +248,7 @@ class GpuProcess:
 
 
 @dataclass(frozen=True, slots=True)
-class Gpu:
+class Gpu(_FromDict):
     """One GPU in one sample. ``up`` is False when the sample of this GPU failed."""
 
     index: int
@@ -324,7 +340,7 @@ class Gpu:
 
 
 @dataclass(frozen=True, slots=True)
-class SampleError:
+class SampleError(_FromDict):
     """Something that failed in a sample: where (``source``), on which GPU, and the error name."""
 
     source: str  # "nvml" (init or library-wide loss), "gpu" (one GPU failed), "field"
@@ -335,7 +351,7 @@ class SampleError:
 
 
 @dataclass(frozen=True, slots=True)
-class Snapshot:
+class Snapshot(_FromDict):
     """Everything one sample saw. Published by atomic reference; never mutated."""
 
     seq: int
@@ -380,6 +396,105 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return [_jsonable(v) for v in value]
     return value
+
+
+@functools.cache
+def _fields_of(cls: Any) -> tuple[tuple[str, Any, bool], ...]:
+    """(name, type, required) of each field of the dataclass ``cls``."""
+    hints = typing.get_type_hints(cls)
+    return tuple(
+        (
+            f.name,
+            hints[f.name],
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+        )
+        for f in dataclasses.fields(cls)
+        if f.init
+    )
+
+
+def _from_jsonable(cls: Any, data: Any, where: str) -> Any:
+    """An instance of the dataclass ``cls`` from what :func:`_jsonable` made of one."""
+    if not isinstance(data, Mapping):
+        raise _wrong(where, "an object", data)
+    values = {}
+    for name, hint, required in _fields_of(cls):
+        if name in data:
+            values[name] = _decode(hint, data[name], f"{where}.{name}" if where else name)
+        elif required:
+            raise ValueError(f"{where + ': ' if where else ''}missing required key {name!r}")
+    return cls(**values)
+
+
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _decode(hint: Any, value: Any, where: str, nullable: bool = False) -> Any:
+    """``value`` (JSON) as the type ``hint`` of a Snapshot's field (the types those fields
+    use: scalars, ``X | None``, ``tuple[X, ...]``, ``Mapping[K, V]``, the readings' maps, the
+    nested dataclasses)."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        if value is None:
+            return None
+        (inner,) = (arg for arg in typing.get_args(hint) if arg is not type(None))
+        return _decode(inner, value, where, nullable=True)
+    kind = _KINDS.get(hint)
+    if kind is not None:
+        allowed = (int, float) if hint is float else hint
+        if isinstance(value, allowed) and isinstance(value, bool) == (hint is bool):
+            return value
+        raise _wrong(where, kind + (" or null" if nullable else ""), value)
+    if hint is LinkReadings:
+        if not isinstance(value, Mapping):
+            raise _wrong(where, "an object", value)
+        readings = Mapping[str, float]
+        return LinkReadings(
+            {
+                _key(int, link, where): _decode(readings, values, f"{where}.{link}")
+                for link, values in value.items()
+            }
+        )
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise _wrong(where, "a list" + (" or null" if nullable else ""), value)
+        (item, _) = typing.get_args(hint)  # tuple[X, ...]
+        return tuple(_decode(item, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is Mapping:
+        if not isinstance(value, Mapping):
+            raise _wrong(where, "an object", value)
+        key_type, value_type = typing.get_args(hint)
+        decoded = {
+            _key(key_type, k, where): _decode(value_type, v, f"{where}.{k}")
+            for k, v in value.items()
+        }
+        return Readings(decoded) if value_type is float else frozen_map(decoded)
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        return _from_jsonable(hint, value, where)
+    raise TypeError(f"{where}: no decoder for {hint!r}")  # a field of a type added since
+
+
+def _key(key_type: type, key: str, where: str) -> Any:
+    """A map's key as ``to_dict`` wrote it (``str(key)``) back as ``key_type``."""
+    if key_type is str:
+        return key
+    try:
+        number = int(key)
+    except ValueError:
+        number = None
+    if number is None or str(number) != key:  # int() also takes " 1", "1_0", Arabic-Indic digits
+        raise ValueError(f"{where}: expected integer keys, got {_shown(key)}")
+    return number
+
+
+def _wrong(where: str, expected: str, value: Any) -> ValueError:
+    got = {dict: "an object", list: "a list", type(None): "null"}.get(type(value))
+    return ValueError(f"{where or 'the document'}: expected {expected}, got {got or _shown(value)}")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 __all__ = [
