@@ -722,17 +722,18 @@ def nvitop_python(venv: str, log: Callable) -> str:
 # -- the table -----------------------------------------------------------------------------------
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: Any, grouped: bool = False) -> str:
+    """A table cell: numbers to a few significant digits, thousands grouped with ``grouped``."""
     if value is None:
         return "n/a"
     if isinstance(value, str):
         return value
     if isinstance(value, int):
-        return str(value)
+        return f"{value:,}" if grouped else str(value)
     if math.isnan(value):
         return "n/a"
     if abs(value) >= 100:
-        return f"{value:.0f}"
+        return f"{value:,.0f}" if grouped else f"{value:.0f}"
     if abs(value) >= 10:
         return f"{value:.1f}"
     return f"{value:.2f}"

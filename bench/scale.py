@@ -61,7 +61,16 @@ from typing import Any, TextIO
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import REPO, Reaper, _free_port, _percentile, machine, make_host, scenario_yaml
+from benchmark import (
+    REPO,
+    Reaper,
+    _fmt,
+    _free_port,
+    _percentile,
+    machine,
+    make_host,
+    scenario_yaml,
+)
 from soak import INVISIBLE_BASE, INVISIBLE_STRIDE
 
 sys.path.insert(0, str(REPO))
@@ -1198,24 +1207,8 @@ def run_head_phase(
 # -- tables --------------------------------------------------------------------------------------
 
 
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, str):
-        return value
-    if isinstance(value, int):
-        return f"{value:,}"
-    if math.isnan(value):
-        return "n/a"
-    if abs(value) >= 100:
-        return f"{value:,.0f}"
-    if abs(value) >= 10:
-        return f"{value:.1f}"
-    return f"{value:.2f}"
-
-
 def table(rows: list[list[Any]], header: list[str]) -> str:
-    cells = [header, *[[_fmt(c) for c in row] for row in rows]]
+    cells = [header, *[[_fmt(c, grouped=True) for c in row] for row in rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     out = []
     for row in cells:

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import pytest
 
 from exporter.web import page
 from tests.agent import free_port, healthz_until, http_get, serve, stderr_of
+from tests.helpers import until
 
 pytestmark = pytest.mark.slow
 
@@ -90,18 +90,6 @@ def browser(tmp_path: Path, javascript: bool = True) -> Iterator[Any]:
         yield driver
     finally:
         driver.quit()
-
-
-def wait(driver: Any, check: Callable[[], Any], what: str, timeout: float = 20) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            driver.save_screenshot(str(Path(os.environ.get("TMPDIR", "/tmp")) / "timeout.png"))
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def redrawn(driver: Any) -> bool:
@@ -207,16 +195,16 @@ def test_the_page_shows_what_snapshot_holds_and_updates_by_itself(tmp_path, stea
     port = steady_host
     with browser(tmp_path) as driver:
         driver.get(f"http://127.0.0.1:{port}/")
-        wait(driver, lambda: redrawn(driver), "the script's first redraw")
+        until(lambda: redrawn(driver), "the script's first redraw")
         doc = snapshot(port)
         wanted = expected_gpu_cells(doc)
-        wait(driver, lambda: subset(cells(driver, "gpus"), wanted), f"the GPU rows {wanted}")
+        until(lambda: subset(cells(driver, "gpus"), wanted), f"the GPU rows {wanted}")
         driver.save_screenshot(str(tmp_path / "page-values.png"))
         mode = driver.find_element(By.ID, "reaper-mode")
-        wait(driver, lambda: mode.text.startswith("dry run"), "the reaper's mode")
+        until(lambda: mode.text.startswith("dry run"), "the reaper's mode")
         # the second process starts 6 s in: the table grows without a reload
         before = driver.execute_script("return performance.getEntriesByType('navigation').length")
-        wait(driver, lambda: len(cells(driver, "processes", "data-gpu")) == 2, "process 2", 30)
+        until(lambda: len(cells(driver, "processes", "data-gpu")) == 2, "process 2", 30)
         after = driver.execute_script("return performance.getEntriesByType('navigation').length")
         assert before == after == 1  # no reload
         rows = cells(driver, "processes", "data-gpu")
@@ -234,7 +222,7 @@ def test_a_hostile_process_name_is_text_and_runs_nothing(tmp_path, steady_host):
             try:
                 driver.get(f"http://127.0.0.1:{port}/")
                 if javascript:
-                    wait(driver, lambda: redrawn(driver), "the script's redraw")
+                    until(lambda: redrawn(driver), "the script's redraw")
                 names = [row["name"] for row in cells(driver, "processes", "data-gpu").values()]
                 assert HOSTILE in names, names
                 assert not driver.find_elements(By.CSS_SELECTOR, "main img")
@@ -253,8 +241,8 @@ def test_no_request_leaves_the_agents_origin(tmp_path, steady_host):
     with browser(tmp_path) as driver:
         driver.get(origin)
         body = driver.find_element(By.TAG_NAME, "body")
-        first = wait(driver, lambda: body.get_attribute("data-updated"), "a redraw")
-        wait(driver, lambda: body.get_attribute("data-updated") != first, "a second redraw")
+        first = until(lambda: body.get_attribute("data-updated"), "a redraw")
+        until(lambda: body.get_attribute("data-updated") != first, "a second redraw")
         urls = requested_urls(driver, origin)
         assert any(u.endswith("/snapshot") for u in urls) and any("/history" in u for u in urls)
         elsewhere = [u for u in urls if not u.startswith(origin)]
@@ -290,8 +278,7 @@ def test_a_peer_that_is_down_is_shown_as_down(tmp_path):
                     url: row["state"] for url, row in cells(driver, "hosts", "data-url").items()
                 }
 
-            found = wait(
-                driver,
+            found = until(
                 lambda: (
                     (s := states())
                     and s.get(f"http://127.0.0.1:{peer_port}") == "up"
@@ -326,10 +313,10 @@ def screenshot_builtin(tmp_path: Path, out: Path, samples: int = 20) -> None:
         with browser(tmp_path) as driver:
             driver.set_window_size(1280, 900)
             driver.get(f"http://127.0.0.1:{port}/")
-            wait(driver, lambda: redrawn(driver), "the script's first redraw")
+            until(lambda: redrawn(driver), "the script's first redraw")
             body = driver.find_element(By.TAG_NAME, "body")
             seq = lambda: int(body.get_attribute("data-updated"))  # noqa: E731
-            wait(driver, lambda: seq() >= samples, f"{samples} samples", samples + 20)
+            until(lambda: seq() >= samples, f"{samples} samples", samples + 20)
             height = driver.execute_script("return document.documentElement.scrollHeight")
             driver.set_window_size(1280, height + 20)
             driver.save_screenshot(str(out))
