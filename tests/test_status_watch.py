@@ -409,3 +409,28 @@ def test_the_agents_verdict_is_shown_over_what_one_snapshot_supports():
     assert sick.endswith("CRITICAL XID 79 (reboot) at 10:00") and healthy.endswith(" ok")
     document["gpus"][0]["health"] = {"checks": {"xid": {"status": "dreadful"}}}
     assert agent_verdicts(document) == {}  # unreadable: the Snapshot's own verdict instead
+
+
+def test_a_failed_sample_keeps_the_last_table_under_the_failure():
+    from exporter.status import Frames, Unavailable
+
+    answers: list[object] = [
+        Unavailable("NVML is not available: DriverNotLoaded"),
+        (_snapshot(_gpu(0, 40, 1)), {}),
+        Unavailable("NVML is not available: Uninitialized"),
+    ]
+
+    def take():
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    frames = Frames(take, 2.0, "gpu-exporter status", colour=False, clock=lambda: 1.7e9)
+    header, failed, blank = frames(None)
+    assert header.startswith("Every 2s: gpu-exporter status  ") and blank == ""
+    assert failed.endswith(": NVML is not available: DriverNotLoaded")  # no table yet
+    assert len(frames(80)[0]) == 79  # the header right-aligned to the width
+    header, failed, _, *table = frames(None)
+    assert failed.startswith("failed at ") and "Uninitialized; the table below is from " in failed
+    assert table[1].startswith("GPU  NAME") and "NVIDIA A100-SXM4-40GB" in table[2]
