@@ -17,6 +17,7 @@ import re
 import ssl
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
+from html import escape
 from typing import Any, Protocol
 from urllib.parse import parse_qs
 
@@ -236,7 +237,8 @@ class App:
         the list of routes and why there is nothing to show yet."""
         if self.sampler.latest is None:
             health = self.sampler.health()
-            text = _LANDING.format(version=__version__, status=f"Not healthy: {health.reason}")
+            status = escape(f"Not healthy: {health.reason}")  # NVML's words, among others
+            text = _LANDING.format(version=__version__, status=status)
             return Response(
                 "503 Service Unavailable", "text/html; charset=utf-8", text.encode(), page.HEADERS
             )
