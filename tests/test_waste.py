@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -44,17 +45,23 @@ def gpu(index: int = 0, util: float | None = 0.0, *processes: GpuProcess, **valu
 
 
 class Feeder:
-    """One Snapshot per run, 10 s apart, the last few passed again as the engine does."""
+    """Snapshots 10 s apart, the last few passed at each run as the engine does, and as the
+    sampler keeps them: only the latest with its process lists."""
 
     def __init__(self, config: WasteConfig = CONFIG, host: bool = True) -> None:
         self.findings = Findings()
         self.action = WasteAction(config, self.findings, logging.getLogger(LOGGER), host)
         self.snapshots: list[Snapshot] = []
 
-    def feed(self, *gpus: Gpu) -> Waste:
+    def feed(self, *gpus: Gpu, run: bool = True) -> Waste | None:
+        """A sample of ``gpus``; then the action's run over the last few, unless not ``run``."""
         t = 10.0 * len(self.snapshots)
         snap = Snapshot(len(self.snapshots) + 1, 1.7e9 + t, t, 0.01, True, HostInfo("h"), gpus)
+        if self.snapshots:
+            self.snapshots[-1] = self.snapshots[-1].without_processes()
         self.snapshots.append(snap)
+        if not run:
+            return None
         self.action.run(self.snapshots[-4:], t)
         found = self.findings.get(Waste)
         assert found is not None
@@ -178,6 +185,20 @@ def test_a_leak_suspect_grew_in_each_of_the_last_samples(caplog):
     assert sum("may leak GPU memory" in m for m in messages(caplog)) == 1
     found = feeder.feed(gpu(0, 0.9, proc(7, memory=6 * GIB, sm=0.9)))  # no growth this time
     assert found.gpus["GPU-00000000"].processes == {}
+
+
+def test_samples_between_runs_without_process_lists_forget_nothing():
+    """At its defaults the action runs every 30 s over samples taken every 5 s, and the sampler
+    keeps process lists only in the latest: the others must not reset what it tracks."""
+    feeder = Feeder(replace(CONFIG, leak_samples=3))
+    for memory in (1, 2, 3, 4):  # GiB, one run per three samples: the last has the process list
+        for _ in range(2):
+            feeder.feed(gpu(0, 0.0, proc(7, memory=memory * GIB, sm=0.0)), run=False)
+        found = feeder.feed(gpu(0, 0.0, proc(7, memory=memory * GIB, sm=0.0)))
+    assert found is not None
+    judged = found.gpus["GPU-00000000"].processes[7]
+    assert judged.growth_bytes == 3 * GIB  # grew at each of the last 3 runs' samples
+    assert judged.idle_seconds == pytest.approx(9 * 10.0)  # idle since the first run's sample
 
 
 @pytest.mark.parametrize(

@@ -130,12 +130,18 @@ class WasteAction(Action):
     # -- from Snapshot to Snapshot --------------------------------------------------------------
 
     def _track(self, snapshot: Snapshot) -> None:
+        """Carry the state forward by one Snapshot. The sampler keeps process lists only in
+        its latest Snapshot (``Snapshot.without_processes``): a GPU without one here leaves
+        what is tracked of its processes as it is (they advance once per run, at the latest)."""
         state, limit, now = self._state, self.config.max_utilization, snapshot.monotonic
+        listed: set[str] = set()  # GPUs whose process list this Snapshot has
         seen: set[_Key] = set()
         gpus = _known(snapshot)
         for gpu in gpus:
             busy = gpu_activity(gpu)
             _time(state.idle_since, gpu.uuid, busy is not None and busy <= limit, now)
+            if gpu.processes is not None:
+                listed.add(gpu.uuid)
             for process in gpu.processes or ():
                 key = (gpu.uuid, process.pid, process.start_time)
                 seen.add(key)
@@ -151,15 +157,19 @@ class WasteAction(Action):
                 gone = {p.pid for p in gpu.processes if not p.visible}
                 state.dead[gpu.uuid] = gone & state.gone.get(gpu.uuid, set())
                 state.gone[gpu.uuid] = gone
-            else:
+            elif gpu.processes is not None or not self._host:
                 state.dead.pop(gpu.uuid, None)
                 state.gone.pop(gpu.uuid, None)
         uuids = {g.uuid for g in gpus}
         state.gone = {u: g for u, g in state.gone.items() if u in uuids}
         state.dead = {u: d for u, d in state.dead.items() if u in uuids}
         state.idle_since = {u: t for u, t in state.idle_since.items() if u in uuids}
-        state.process_idle_since = {k: t for k, t in state.process_idle_since.items() if k in seen}
-        state.memory = {k: w for k, w in state.memory.items() if k in seen}
+
+        def kept(key: _Key) -> bool:  # still listed, or its GPU's list not in this Snapshot
+            return key in seen or (key[0] in uuids and key[0] not in listed)
+
+        state.process_idle_since = {k: t for k, t in state.process_idle_since.items() if kept(k)}
+        state.memory = {k: w for k, w in state.memory.items() if kept(k)}
 
     # -- the latest Snapshot ---------------------------------------------------------------------
 
