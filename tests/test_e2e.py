@@ -44,11 +44,11 @@ SCENARIO = (
     """
 gpus:
   # GPU 0: allocated to a pod (the fake kubelet) and idle, and a job on it whose memory grows at
-  # every sample (a leak suspect, for as long as the test may take), for the Waste row
+  # every sample (a leak suspect), for the Waste row
   - name: NVIDIA H100 80GB HBM3
     temperature: {points: [[0s, 45], [4s, 45], [6s, 93], [22s, 93], [24s, 45]]}
     processes:
-      - {spawn: [sleep, "900"], memory: {from: 1GiB, to: 46GiB, over: 900s}}
+      - {spawn: [sleep, "120"], memory: {from: 1GiB, to: 41GiB, over: 120s}}
   # GPU 1: allocated to Slurm job 4242 (the job-mapping directory) and idle
   - name: NVIDIA H100 80GB HBM3
     temperature: 45
