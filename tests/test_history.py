@@ -12,6 +12,7 @@ import pytest
 from exporter.exposition.metrics import render
 from exporter.sampling.sampler import Sampler
 from exporter.web.routes import App, serve
+from tests.helpers import one, samples
 
 SCENARIO = """
 gpus:
@@ -112,3 +113,47 @@ def test_no_history_before_the_first_sample(simulated, collector):
         assert status == 503 and "no sample yet" in text
     finally:
         server.close()
+
+
+def test_a_gpu_down_in_a_sample_has_nulls_there_and_a_gpu_gone_has_no_entry(
+    simulated, collector, clock
+):
+    simulated(
+        """
+gpus:
+  - name: stays
+    power: 100
+    errors: [{field: "*", from: 1s, until: 2s}]
+  - name: goes
+    present: {until: 2s}
+"""
+    )
+    sampler = Sampler(collector, interval=1.0, deadline=1.0, history=KEPT, render=render)
+    for _ in range(4):
+        sampler.sample_once()
+        clock.advance(1.0)
+    gone = sampler.history()[0].gpus[1].uuid
+    server = serve(App(sampler), "127.0.0.1", 0)
+    try:
+        status, doc = get(server.port, "/history")
+        assert status == 200 and doc["samples"] == 4
+        (stays,) = doc["gpus"]  # the GPU that went is in no entry
+        assert stays["name"] == "stays" and stays["uuid"] != gone
+        assert stays["power_watts"] == [100.0, None, 100.0, 100.0]
+        for column in ("utilization_ratio", "memory_used_bytes", "temperature_celsius"):
+            assert [v is None for v in stays[column]] == [False, True, False, False], column
+        for wanted in ("1", gone):
+            status, text = get(server.port, f"/history?gpu={wanted}")
+            assert status == 404 and f"no GPU {wanted!r}" in text
+    finally:
+        server.close()
+
+
+def test_history_requests_are_counted_by_route(port):
+    for query in ("", "?seconds=1", "?seconds=0"):
+        get(port, f"/history{query}")
+    _, text = get(port, "/metrics")
+    found = samples(text.encode())
+    requests = "gpu_exporter_http_requests_total"
+    assert one(found, requests, path="/history", code="200") == 2
+    assert one(found, requests, path="/history", code="400") == 1

@@ -20,6 +20,7 @@ from exporter.sampling.collect import Collector
 from exporter.sampling.sampler import Sampler
 from exporter.web.routes import (
     App,
+    Response,
     Route,
     accept_encoding_weights,
     gzip_preferred,
@@ -458,21 +459,42 @@ def test_the_server_exports_its_own_state(quick):
 
 def test_only_routes_that_hand_out_bytes_made_before_stay_on_the_event_loop(quick):
     """``App.inline``: the server calls the app on its loop for the routes that say so (the
-    exposition, /healthz, the page's assets, the peers' rows), and on a worker thread for every
-    other: the default, so a new route that does work per request cannot stall the loop."""
+    exposition, /healthz, the page's assets), and on a worker thread for every other: the
+    default, so a new route that does work per request cannot stall the loop. A route made
+    inline without changing this test fails it."""
     app = quick().app
-    on_loop = {
-        "/metrics",
-        "/healthz",
-        "/peers",
-        *(p for p in app.routes if p.startswith("/static/")),
-    }
+    on_loop = {"/metrics", "/healthz", *(p for p in app.routes if p.startswith("/static/"))}
     assert {path for path, route in app.routes.items() if route.inline} == on_loop
     for path in (*on_loop, "/nope"):
         assert app.inline({"PATH_INFO": path, "REQUEST_METHOD": "GET"}), path
-    for path in ("/", "/snapshot", "/history", "/recommend", "/health/gpus"):
+    for path in ("/", "/snapshot", "/history", "/recommend", "/health/gpus", "/peers"):
         assert not app.inline({"PATH_INFO": path, "REQUEST_METHOD": "GET"}), path
     assert Route(app.landing).inline is False  # what a route gets when it says nothing
+
+
+def test_another_module_adds_routes_to_the_table(simulated, collector):
+    """``App(routes=...)``: served, counted by their path, placed as they say; a path the app
+    serves already is refused."""
+
+    def hello(params, environ) -> Response:
+        return Response("200 OK", "text/plain", f"hello {params.get('who', ['?'])[0]}\n".encode())
+
+    simulated(SCENARIO)
+    sampler = Sampler(collector, interval=60, deadline=60, render=render)
+    sampler.sample_once()
+    app = App(sampler, routes={"/hello": Route(hello, frozenset({"who"}))})
+    assert not app.inline({"PATH_INFO": "/hello", "REQUEST_METHOD": "GET"})
+    server = serve(app, "127.0.0.1", 0)
+    try:
+        agent = Agent(sampler, server.port)
+        assert agent.get("/hello?who=page")[::2] == (200, b"hello page\n")
+        assert agent.get("/hello?what=1")[0] == 400  # its own parameters only
+        found = http_samples(agent)
+    finally:
+        server.close()
+    assert found[("gpu_exporter_http_requests_total", (("code", "200"), ("path", "/hello")))] == 1
+    with pytest.raises(ValueError, match="'/metrics'"):
+        App(sampler, routes={"/metrics": Route(hello, inline=True)})
 
 
 def test_the_path_label_stays_bounded(quick):

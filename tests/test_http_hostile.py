@@ -28,7 +28,7 @@ import exporter.web.server
 from exporter.exposition.metrics import render
 from exporter.sampling.sampler import Sampler
 from exporter.web.http1 import Connection, HttpError, Limits, Request
-from exporter.web.routes import App, Server, serve
+from exporter.web.routes import App, Response, Route, Server, serve
 from exporter.web.server import Options
 from exporter.web.webconfig import WebConfig
 from tests.test_http import Agent, wait_for
@@ -671,6 +671,36 @@ def test_a_request_stuck_in_a_slow_route_does_not_delay_another_connection(start
         stuck.shutdown(socket.SHUT_WR)
         answer = read_to_eof(stuck)
     assert status_of(answer) == 200 and b'"gpus"' in answer
+
+
+def test_a_route_that_says_nothing_runs_on_a_worker_thread(start):
+    """A route declared without ``inline`` (the default) blocks a worker, not the loop: while
+    it waits, scrapes and /healthz on other connections are answered, and its connection is
+    answered once it returns."""
+    gate, entered = threading.Event(), threading.Event()
+    ran_on: list[str] = []
+
+    def slow(params, environ) -> Response:
+        ran_on.append(threading.current_thread().name)
+        entered.set()
+        gate.wait(20)
+        return Response("200 OK", "text/plain", b"done\n")
+
+    server = start(make_app=lambda sampler: App(sampler, routes={"/slow": Route(slow)}))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as stuck:
+        stuck.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        try:
+            assert entered.wait(5)
+            status, body = scrape(server.port)  # on the loop it would wait for the gate
+            assert status == 200 and b"gpu_up{" in body
+            assert status_of(get(server.port, "/healthz")) in (200, 503)
+            assert not answered(stuck)
+        finally:
+            gate.set()
+        stuck.shutdown(socket.SHUT_WR)
+        answer = read_to_eof(stuck)
+    assert status_of(answer) == 200 and answer.endswith(b"done\n")
+    assert ran_on and ran_on[0] != "http-loop", ran_on
 
 
 def test_close_is_prompt_whatever_the_connections_are_doing(start):

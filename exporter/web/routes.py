@@ -1,6 +1,10 @@
-"""HTTP routes over the latest Snapshot: ``/metrics``, ``/healthz``, ``/snapshot`` and ``/``.
+"""HTTP routes over the latest Snapshot: ``/metrics``, ``/healthz``, ``/snapshot``, ``/history``,
+``/health/gpus``, ``/recommend``, ``/peers``, the status page ``/`` and its assets.
 
-No route calls NVML or procfs: they read ``sampler.latest``. The server is
+No route calls NVML or procfs: they read ``sampler.latest`` (and ``sampler.history()``). Each
+route is one :class:`Route` in ``App.routes``, which says where the server runs it: on its event
+loop (``inline``, only for a route that hands out bytes made before) or, by default, on a worker
+thread. The server is
 ``exporter.web.server``: one event loop thread, llhttp for parsing, deadlines and limits
 against hostile clients, keep-alive, TLS and client-certificate authentication; basic
 authentication and extra headers come from the web config (``exporter.web.webconfig``).
@@ -18,6 +22,7 @@ import ssl
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from html import escape
+from types import MappingProxyType
 from typing import Any, Protocol
 from urllib.parse import parse_qs
 
@@ -121,13 +126,22 @@ class Response:
     parts: tuple[bytes, ...] = ()
 
 
+#: A route's handler: the parsed query parameters and the WSGI environ to the answer.
+Handler = Callable[[dict[str, list[str]], dict[str, Any]], Response]
+
+
 @dataclass(frozen=True)
 class Route:
-    """One route of the table: its handler, its query parameters, and whether it answers at
-    once on the server's event loop (``inline``: only for bytes made before, such as the
-    exposition; the default is a worker thread)."""
+    """One route of the table: its handler, the query parameters it takes (any other is a
+    400), and whether it answers at once on the server's event loop.
 
-    handler: Callable[[dict[str, list[str]], dict[str, Any]], Response]
+    ``inline=True`` only for a route that hands out bytes made before (the exposition rendered
+    once per sample, the status page's files): the loop serves every connection, and a route
+    that builds its answer per request there would stall them all. The default is a worker
+    thread, so a route that says nothing cannot.
+    """
+
+    handler: Handler
     params: frozenset[str] = frozenset()
     inline: bool = False
 
@@ -140,14 +154,18 @@ class App:
     """The WSGI application; every route reads the sampler's latest publication."""
 
     def __init__(
-        self, sampler: Sampler, engine: Actions | None = None, peers: PeerWatcher | None = None
+        self,
+        sampler: Sampler,
+        engine: Actions | None = None,
+        peers: PeerWatcher | None = None,
+        routes: Mapping[str, Route] | None = None,
     ) -> None:
+        """``routes``: more routes by path (another module's), beside the app's own; a path
+        the app serves already is a ValueError."""
         self.sampler = sampler
         self.engine = engine
         self.peers = peers
-        #: Every route: its handler, the query parameters it takes, and whether it answers at
-        #: once on the event loop (it hands out bytes made before); the rest run on a worker.
-        self.routes: Mapping[str, Route] = {
+        own = {
             "/": Route(self.landing),
             "/metrics": Route(self.metrics, inline=True),
             "/healthz": Route(self.healthz, inline=True),
@@ -155,9 +173,14 @@ class App:
             "/history": Route(self.history, frozenset({"gpu", "seconds"})),
             "/health/gpus": Route(self.health_gpus, frozenset({"gpu"})),
             "/recommend": Route(self.recommend, RECOMMEND_PARAMS),
-            "/peers": Route(self.peer_list, inline=True),
+            "/peers": Route(self.peer_list),  # JSON made per request, small as it is
             **{path: Route(self.asset, inline=True) for path in page.STATIC},
         }
+        taken = sorted(own.keys() & (routes or {}).keys())
+        if taken:
+            raise ValueError(f"route {taken[0]!r} is one of the app's own")
+        #: Every route by path (read-only: the counters below take its paths once).
+        self.routes: Mapping[str, Route] = MappingProxyType({**own, **(routes or {})})
         #: The server's counters (``gpu_exporter_http_*``); requests by route, else ``other``.
         self.http = HttpStats(self.routes)
         #: The web config's reloads (``gpu_exporter_web_config_*``); None: no web config.
