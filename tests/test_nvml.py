@@ -292,6 +292,31 @@ def test_no_busy_process_is_not_found_and_reads_zero_for_all(simulated, clock):
     assert driver.calls[UTILIZATION_CALL] == 2  # asked each sample all the same
 
 
+def test_a_read_without_busy_samples_moves_the_next_one_forward(simulated, clock):
+    """Once the driver said no process was busy, the next read does not ask for its whole
+    buffer again (a second before the previous read, for samples written late), and a
+    process busy since then is still seen."""
+    driver = simulated(BUSY_AND_IDLE % "{points: [[0s, 0], [9.5s, 0], [9.6s, 0.3]]}")
+    asked: list[int] = []
+    real = driver.nvmlDeviceGetProcessesUtilizationInfo
+
+    def recording(handle, since):
+        asked.append(since)
+        return real(handle, since)
+
+    driver.nvmlDeviceGetProcessesUtilizationInfo = recording
+    nvml = Nvml(library=driver, wall=driver.wall)
+    nvml.init()
+    info, reading = _read(nvml)
+    for _ in range(2):
+        clock.advance(5)
+        reading = nvml.read_gpu(info)
+    first_read_us = round(driver.wall() * 1e6) - 10_000_000
+    assert asked[0] == 0
+    assert asked[1:] == [first_read_us - 1_000_000, first_read_us + 4_000_000]
+    assert _utilization(reading) == {os.getpid(): 0.3, os.getppid(): 0.0}
+
+
 OTHER_NAMESPACE = """
 driver: {utilization_pid_offset: %d}
 gpus:

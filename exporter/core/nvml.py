@@ -88,6 +88,9 @@ _PROCESS_UTILIZATION_FATAL = _GPU_FATAL - {"Unknown"}
 _GPM_FATAL = _GPU_FATAL - {"Unknown"}
 #: How far ahead of the host's clock a remembered sample timestamp may be before it is distrusted.
 _CLOCK_SLACK_SECONDS = 1.0
+#: How far before a utilization read that found no busy process the next one starts: a driver
+#: sample stamped just before the read may be written into its buffer just after it.
+_LATE_SAMPLE_SECONDS = 1.0
 #: The longest event wait ``wait_event`` allows, seconds (shutdown waits for one to end).
 _EVENT_WAIT_MAX = 1.0
 
@@ -1154,6 +1157,7 @@ class Nvml:
         which would read as idle.
         """
         since = self._utilization_since(info)
+        asked_at = round((self._wall() - _LATE_SAMPLE_SECONDS) * 1e6)
         calls = [
             Call(function, (handle, since), not_found=(), gpu_fatal=_PROCESS_UTILIZATION_FATAL)
             for function in (
@@ -1167,16 +1171,18 @@ class Nvml:
         if samples is None:
             return processes
         peaks, newest = utilization_peaks(samples, since)
-        self._utilization_seen[info.uuid] = newest
+        # Nothing newer: the next read need not ask for the driver's whole buffer again.
+        self._utilization_seen[info.uuid] = newest if newest > since else max(since, asked_at)
         absent = IDLE
         if not self._initial_pid_namespace and set(peaks) - {p.pid for p in processes}:
             absent = UNKNOWN_UTILIZATION
         return [p._replace(utilization=peaks.get(p.pid, absent)) for p in processes]
 
     def _utilization_since(self, info: GpuInfo) -> int:
-        """Where the GPU's next utilization read starts (µs): after the newest sample seen; 0
-        (the driver's whole buffer) at first, or when that sample is stamped ahead of the
-        host's clock (the clock was set back: nothing newer would come for that long)."""
+        """Where the GPU's next utilization read starts (µs): after the newest sample seen, or
+        shortly before the previous read when that one found no newer sample; 0 (the driver's
+        whole buffer) at first, or when that mark is ahead of the host's clock (the clock was
+        set back: nothing newer would come for that long)."""
         seen = self._utilization_seen.get(info.uuid, 0)
         if seen > (self._wall() + _CLOCK_SLACK_SECONDS) * 1e6:
             log.info(
