@@ -945,9 +945,11 @@ class SimulatedDriver:
                 proc.encoder_utilization,
                 proc.decoder_utilization,
             )
-            for m in moments:
-                if not proc.window.holds(m):
-                    continue
+            held = [m for m in moments if proc.window.holds(m)]
+            if held and all(value.constant for value in values):  # the same at every moment
+                percents = [_percent(value.base) for value in values]
+                held = held[-1:] if any(percents) else []
+            for m in held:
                 percents = [_percent(value.at(m)) for value in values]
                 if any(percents):
                     top, last = busiest.get(pid, ([0, 0, 0, 0], m))

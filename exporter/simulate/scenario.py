@@ -105,6 +105,11 @@ class Value:
     period: float = 0.0
     points: tuple[tuple[float, float], ...] = ()
 
+    @property
+    def constant(self) -> bool:
+        """Whether the value is ``base`` at every time."""
+        return not self.points and self.to is None and not (self.amplitude and self.period > 0)
+
     def at(self, t: float) -> float:
         if self.points:
             return _through(self.points, t)
