@@ -15,7 +15,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.process_collector import ProcessCollector
@@ -46,8 +46,8 @@ INFO_LABELS = [
 PROCESS_LABELS = ["gpu", "uuid", "pid", "user", "process", "type"]
 #: A family to render: prometheus_client's, or one of rows (exposition/text.py).
 AnyFamily = Metric | Rows
-#: The metric families that take series (prometheus_client's Metric base class does not).
-Family = GaugeMetricFamily | CounterMetricFamily
+#: The families this module fills, a series at a time.
+Family = Rows
 
 
 class _Families:
@@ -105,12 +105,12 @@ def render_families(families: Iterable[AnyFamily]) -> Exposition:
     return Exposition(families)
 
 
-def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, labels=GPU_LABELS if labels is None else labels)
+def _gauge(name: str, doc: str, labels: list[str] | None = None) -> Rows:
+    return Rows(name, doc, "gauge", GPU_LABELS if labels is None else labels)
 
 
-def _counter(name: str, doc: str, labels: list[str] | None = None) -> CounterMetricFamily:
-    return CounterMetricFamily(name, doc, labels=GPU_LABELS if labels is None else labels)
+def _counter(name: str, doc: str, labels: list[str] | None = None) -> Rows:
+    return Rows(name, doc, "counter", GPU_LABELS if labels is None else labels)
 
 
 def _per_gpu(gpus: Iterable[Gpu], family: Family, value: Callable[[Gpu], float | None]) -> Family:
@@ -514,7 +514,7 @@ def _per_process(
     return family
 
 
-def self_families(snapshot: Snapshot, stats: SelfStats) -> list[Metric]:
+def self_families(snapshot: Snapshot, stats: SelfStats) -> list[AnyFamily]:
     """The agent's own ``gpu_exporter_*`` families as of one Snapshot."""
     build = _gauge(
         "gpu_exporter_build_info",
@@ -538,18 +538,18 @@ def self_families(snapshot: Snapshot, stats: SelfStats) -> list[Metric]:
     interval.add_metric([], stats.interval_seconds)
     calls = _gauge("gpu_exporter_sample_nvml_calls", "NVML calls the last sample made.", [])
     calls.add_metric([], snapshot.nvml_calls)
-    samples = CounterMetricFamily("gpu_exporter_samples", "Samples taken.", labels=[])
+    samples = _counter("gpu_exporter_samples", "Samples taken.", [])
     samples.add_metric([], stats.samples_total)
-    deadline = CounterMetricFamily(
+    deadline = _counter(
         "gpu_exporter_sample_deadline_exceeded",
         "Samples that took longer than the sample deadline.",
-        labels=[],
+        [],
     )
     deadline.add_metric([], stats.deadline_exceeded_total)
-    errors = CounterMetricFamily(
+    errors = _counter(
         "gpu_exporter_sample_errors",
         "Errors met while sampling, by source (nvml, gpu, field, sampler) and error name.",
-        labels=["source", "error"],
+        ["source", "error"],
     )
     for (source, error), count in sorted(stats.errors_total.items()):
         errors.add_metric([source, error], count)

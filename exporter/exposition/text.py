@@ -40,6 +40,10 @@ class Family:
         """One series: its label values (in ``label_names`` order) and its value."""
         self.rows.append((values, value))
 
+    def add_metric(self, labels: Sequence[str], value: float) -> None:
+        """:meth:`add`, called as on prometheus_client's families."""
+        self.rows.append((tuple(labels), value))
+
     @property
     def sample_name(self) -> str:
         return self.name + "_total" if self.type == "counter" else self.name
@@ -78,6 +82,8 @@ _MAX_PREFIXES = 20_000
 def _prefix(name: str, keys: tuple[str, ...], values: tuple[str, ...]) -> str | None:
     """``name{label="value",...} `` with the labels in name order; None for a label name the
     text format would have to escape."""
+    if not keys:
+        return f"{name} "
     pairs = sorted(zip(keys, values, strict=True))
     if not all(key.isidentifier() and key.isascii() for key, _ in pairs):
         return None
