@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TypeVar
+from typing import TypedDict, TypeVar
 
 from exporter.core.activity import IdleTimes
 from exporter.core.jobmap import read_job_dir
@@ -398,19 +398,38 @@ class Collector:
         for (pid, kind), used in merged.items():
             if pid not in seen:
                 seen[pid] = self.procfs.process(pid)
-            process = to_gpu_process(
-                pid,
-                kind,
-                used,
-                seen[pid],
-                self.expose_cmdline,
-                utilization.get(pid, UNKNOWN_UTILIZATION),
-            )
             known = seen[pid]
+            usage = utilization.get(pid, UNKNOWN_UTILIZATION)
             start = known.start_ticks if known is not None else 0
-            idle = self._idle.observe((uuid, pid, start), process.sm_utilization_ratio, now)
-            out.append(replace(process, gpu_idle_seconds=idle, mig_uuids=on_mig.get(pid, ())))
+            idle = self._idle.observe((uuid, pid, start), usage.sm, now)
+            out.append(
+                to_gpu_process(
+                    pid,
+                    kind,
+                    used,
+                    known,
+                    self.expose_cmdline,
+                    usage,
+                    gpu_idle_seconds=idle,
+                    mig_uuids=on_mig.get(pid, ()),
+                )
+            )
         return tuple(out)
+
+
+class _NvmlView(TypedDict):
+    """What NVML and the sampler say of a GPU process (procfs says the rest)."""
+
+    pid: int
+    type: str
+    used_memory_bytes: int | None
+    visible: bool
+    sm_utilization_ratio: float | None
+    memory_utilization_ratio: float | None
+    encoder_utilization_ratio: float | None
+    decoder_utilization_ratio: float | None
+    gpu_idle_seconds: float | None
+    mig_uuids: tuple[str, ...]
 
 
 def to_gpu_process(
@@ -420,23 +439,28 @@ def to_gpu_process(
     info: ProcessInfo | None,
     cmdline: bool = False,
     utilization: ProcessUtilization = UNKNOWN_UTILIZATION,
+    gpu_idle_seconds: float | None = None,
+    mig_uuids: tuple[str, ...] = (),
 ) -> GpuProcess:
     """A Snapshot process from NVML's view (memory, utilization) and procfs' (None: not visible
-    under the root); its command line only when ``cmdline``."""
-    process = GpuProcess(
-        pid=pid,
-        type=kind,
-        used_memory_bytes=used,
-        visible=info is not None,
-        sm_utilization_ratio=utilization.sm,
-        memory_utilization_ratio=utilization.memory,
-        encoder_utilization_ratio=utilization.encoder,
-        decoder_utilization_ratio=utilization.decoder,
-    )
+    under the root); its command line only when ``cmdline``. Made in one go: a sample makes one
+    per GPU process."""
+    common: _NvmlView = {
+        "pid": pid,
+        "type": kind,
+        "used_memory_bytes": used,
+        "visible": info is not None,
+        "sm_utilization_ratio": utilization.sm,
+        "memory_utilization_ratio": utilization.memory,
+        "encoder_utilization_ratio": utilization.encoder,
+        "decoder_utilization_ratio": utilization.decoder,
+        "gpu_idle_seconds": gpu_idle_seconds,
+        "mig_uuids": mig_uuids,
+    }
     if info is None:
-        return process
-    return replace(
-        process,
+        return GpuProcess(**common)
+    return GpuProcess(
+        **common,
         name=info.name,
         user=info.user,
         uid=info.uid,
