@@ -20,7 +20,7 @@ import time
 import types
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import pynvml
 
@@ -116,6 +116,26 @@ _VALUE_OF = {
     pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: struct.Struct("=I"),
     pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: struct.Struct("=Q"),
 }
+#: One entry of a field-value answer: (return code, value type, value), or what makes it.
+_EntryAnswer = tuple[int, int, int] | Callable[[], tuple[int, int, int]]
+
+
+class _FieldPlan(NamedTuple):
+    """How the simulated driver answers one list of field-value requests of one GPU."""
+
+    #: the answer's memory: every entry's field id and scope, and the entries that never change
+    template: bytes
+    #: (offset, what answers it) of each entry that may change between calls
+    changing: list[tuple[int, Callable[[], tuple[int, int, int]]]]
+
+
+def _pack_entry(raw: Any, base: int, code: int, kind: int, number: int) -> None:
+    """Write one entry's value type, return code and (when it answered) value at ``base``."""
+    _TWO_UINTS.pack_into(raw, base + _FIELD_OFFSETS[3], kind, code)
+    if not code:
+        _VALUE_OF[kind].pack_into(raw, base + _FIELD_OFFSETS[4], number)
+
+
 #: How long one pass of a blocking event wait sleeps at most on a test's clock (which is
 #: checked between passes, so moving it moves delivery along).
 _EVENT_POLL_SECONDS = 0.02
@@ -223,7 +243,7 @@ class SimulatedDriver:
         #: (index and time None until ``nvmlGpmSampleGet`` takes it).
         self._gpm_samples: dict[int, list[Any]] = {}
         #: (GPU, requested fields) -> how each entry is answered (see _field_plan).
-        self._plans: dict[tuple[int, tuple[Any, ...]], list[Any]] = {}
+        self._plans: dict[tuple[int, tuple[Any, ...]], _FieldPlan] = {}
         #: One pynvml device pointer per GPU: what an event names its GPU by (a ctypes handle,
         #: as a real driver's), resolved back to the GPU by any function given it.
         self._devices = [pynvml.struct_c_nvmlDevice_t() for _ in scenario.gpus]
@@ -400,7 +420,8 @@ class SimulatedDriver:
 
     def reading_value(self, h: _Handle, reading: Reading, link: int | None) -> float:
         """What the GPU reads for ``reading`` now, in base units (``link``: of that link)."""
-        return self._reader(h, reading, link)()
+        read = self._reader(h, reading, link)
+        return read() if callable(read) else read
 
     def _energy_joules(self, h: _Handle) -> float:
         t = self.now()
@@ -472,18 +493,15 @@ class SimulatedDriver:
             # pynvml's own array of its own structure, its memory filled as the driver fills
             # it (member by member through pynvml's classes would cost this process more
             # than the driver's C does, and the benchmark counts it as the agent's)
-            values = (pynvml.c_nvmlFieldValue_t * len(ids))()
+            plan = self._field_plan(h, ids)
+            values = (pynvml.c_nvmlFieldValue_t * len(ids)).from_buffer_copy(plan.template)
             raw = memoryview(values).cast("B")
             stamp = self._epoch_us + round(self.now() * 1e6)
-            size, ids_at, stamp_at, head_at, value_at = _FIELD_OFFSETS
-            for i, (field_id, scope, answer) in enumerate(self._field_plan(h, ids)):
-                code, kind, number = answer()
-                base = i * size
-                _TWO_UINTS.pack_into(raw, base + ids_at, field_id, scope)
-                _INT64.pack_into(raw, base + stamp_at, stamp)
-                _TWO_UINTS.pack_into(raw, base + head_at, kind, code)
-                if not code:
-                    _VALUE_OF[kind].pack_into(raw, base + value_at, number)
+            size, stamp_at = _FIELD_OFFSETS[0], _FIELD_OFFSETS[2]
+            for base in range(stamp_at, len(plan.template), size):
+                _INT64.pack_into(raw, base, stamp)
+            for base, answer in plan.changing:
+                _pack_entry(raw, base, *answer())
             return values
 
         def power(h: _Handle) -> int:
@@ -634,63 +652,77 @@ class SimulatedDriver:
                 fakes[f"nvmlDevice{fn}RunningProcesses{version}"] = processes(kind)
         return fakes
 
-    def _field_plan(
-        self, h: _Handle, ids: list[Any]
-    ) -> list[tuple[int, int, Callable[[], tuple[int, int, int]]]]:
-        """(field id, scope, what answers the entry) for each requested field, made once per
-        GPU and list of requests (the agent asks for the same ones sample after sample)."""
+    def _field_plan(self, h: _Handle, ids: list[Any]) -> _FieldPlan:
+        """How to answer ``ids``, made once per GPU and list of requests (the agent asks for
+        the same ones sample after sample): the answer's memory with every entry that never
+        changes already written, and what answers each of the others."""
         key = (h.index, tuple(ids))
         plan = self._plans.get(key)
         if plan is None:
-            plan = []
-            for request in ids:
+            size, ids_at = _FIELD_OFFSETS[:2]
+            template = bytearray(size * len(ids))
+            changing: list[tuple[int, Callable[[], tuple[int, int, int]]]] = []
+            for i, request in enumerate(ids):
                 field_id, scope = request if isinstance(request, tuple) else (request, 0)
-                plan.append((int(field_id), int(scope), self._field_answer(h, field_id, scope)))
+                _TWO_UINTS.pack_into(template, i * size + ids_at, int(field_id), int(scope))
+                answer = self._field_answer(h, field_id, scope)
+                if callable(answer):
+                    changing.append((i * size, answer))
+                else:
+                    _pack_entry(template, i * size, *answer)
+            plan = _FieldPlan(bytes(template), changing)
             if len(self._plans) > 64:  # a test's odd requests must not pile up
                 self._plans.clear()
             self._plans[key] = plan
         return plan
 
-    def _field_answer(
-        self, h: _Handle, field_id: int, scope: int
-    ) -> Callable[[], tuple[int, int, int]]:
-        """What answers one entry of a field-value answer: (return code, value type, value)."""
+    def _field_answer(self, h: _Handle, field_id: int, scope: int) -> _EntryAnswer:
+        """What answers one entry of a field-value answer: (return code, value type, value),
+        or what makes it at each call when it changes."""
         gpu = h.gpu
         unsigned, ull = (
             pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
             pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
         )
         if field_id == readings.NVLINK_LINK_COUNT:
-            return lambda: (0, unsigned, gpu.nvlink_links)
+            return 0, unsigned, gpu.nvlink_links
         found = _BY_FIELD_ID.get(field_id)
         if found is None:
-            return lambda: (pynvml.NVML_ERROR_NOT_SUPPORTED, 0, 0)
+            return pynvml.NVML_ERROR_NOT_SUPPORTED, 0, 0
         reading, link = found
         if reading.per_link and link is None:
             link = scope
         if reading.per_link and (link is None or link >= gpu.nvlink_links):
-            return lambda: (pynvml.NVML_ERROR_INVALID_ARGUMENT, 0, 0)
+            return pynvml.NVML_ERROR_INVALID_ARGUMENT, 0, 0
         if reading.requires_ecc and not gpu.ecc_enabled:
-            return lambda: (pynvml.NVML_ERROR_NOT_SUPPORTED, 0, 0)
+            return pynvml.NVML_ERROR_NOT_SUPPORTED, 0, 0
         read = self._reader(h, reading, link)
         erring = reading.key in self.scenario.missing_fields or reading.key in gpu.unsupported
         erring = erring or any(e.field == reading.key for e in gpu.errors)
         equals, scale = reading.equals, reading.scale
+
+        def value(number: float) -> tuple[int, int, int]:
+            if equals is not None:
+                return 0, ull, equals if number else 0
+            return 0, ull, round(max(number, 0.0) / scale)
+
+        if not callable(read) and not erring:
+            return value(read)
 
         def answer() -> tuple[int, int, int]:
             if erring:
                 error = self._entry_error(gpu, reading.key, self.now())
                 if error:
                     return error, 0, 0
-            number = read()
-            if equals is not None:
-                return 0, ull, equals if number else 0
-            return 0, ull, round(max(number, 0.0) / scale)
+            return value(read() if callable(read) else read)
 
         return answer
 
-    def _reader(self, h: _Handle, reading: Reading, link: int | None) -> Callable[[], float]:
-        """What reads ``reading`` (of ``link``) now, in base units."""
+    def _reader(
+        self, h: _Handle, reading: Reading, link: int | None
+    ) -> Callable[[], float] | float:
+        """What reads ``reading`` (of ``link``) now, in base units: the number itself when it
+        never changes."""
         gpu, key, now = h.gpu, reading.key, self.now
         if key in ("power", "power_instant"):
             return lambda: gpu.power.at(now())
@@ -710,7 +742,9 @@ class SimulatedDriver:
                 up = value.at if value is not None else lambda t: reading.simulated
                 return lambda: 0.0 if any(w.holds(now()) for w in windows) else up(now())
         if value is None:
-            return lambda: reading.simulated
+            return reading.simulated
+        if value.constant:
+            return value.base
         at = value.at
         return lambda: at(now())
 
