@@ -875,12 +875,18 @@ class Nvml:
                 Call("nvmlDeviceGetFieldValues", (handle, requests)),
             )
         if answer is not None:
+            supported = self._supported
             for (reading, link, gap), (code, number) in zip(
                 entries, self._field_entries(answer), strict=False
             ):
-                value = self._field_entry(gap, code, number, errors)
-                if value is None:
-                    continue
+                if code == 0 and number is not None:  # the common case, inline: 1000s a sample
+                    if gap not in supported:
+                        supported.add(gap)
+                    value = number
+                else:
+                    value = self._field_entry(gap, code, number, errors)
+                    if value is None:
+                        continue
                 if reading.equals is not None:
                     value = 1.0 if value == reading.equals else 0.0
                 value *= reading.scale
