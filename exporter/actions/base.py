@@ -12,12 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
-from prometheus_client.core import Metric
-
 from exporter.config.yamlconf import Section
 from exporter.core.findings import Findings
 from exporter.core.procfs import ProcFs
 from exporter.core.snapshot import Snapshot
+from exporter.exposition.metrics import AnyFamily
 
 
 class Action(abc.ABC):
@@ -34,7 +33,7 @@ class Action(abc.ABC):
         ``Snapshot.monotonic``: durations never follow a wall-clock step); may raise."""
 
     @abc.abstractmethod
-    def families(self) -> list[Metric]:
+    def families(self) -> list[AnyFamily]:
         """The metric families of the latest findings (none before the first run)."""
 
     def reconfigure(self, settings: Any) -> bool:

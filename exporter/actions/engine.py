@@ -21,7 +21,6 @@ from typing import Any, Generic, TypeVar
 from apscheduler.executors.pool import BasePoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from exporter.actions.base import Action, ActionType, Context
 from exporter.actions.cron import cron_trigger
@@ -34,7 +33,7 @@ from exporter.config.yamlconf import Section
 from exporter.core.findings import Findings
 from exporter.core.procfs import ProcFs
 from exporter.core.selection import Policy, Recommendation, recommend
-from exporter.exposition.metrics import render_families
+from exporter.exposition.metrics import AnyFamily, counter, gauge, render_families
 from exporter.sampling.sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -313,26 +312,26 @@ class ActionEngine:
 
     def _render(self) -> None:
         with self._render_lock:
-            families: list[Metric] = [*self._stat_families()]
+            families: list[AnyFamily] = [*self._stat_families()]
             for action in list(self._actions.values()):
                 families.extend(action.families())
             self._exposition = render_families(families)
 
-    def _stat_families(self) -> list[Metric]:
+    def _stat_families(self) -> list[AnyFamily]:
         labels = ["action"]
-        enabled = GaugeMetricFamily(
+        enabled = gauge(
             "gpu_exporter_action_enabled", "1 when the action is enabled.", labels=labels
         )
-        runs = CounterMetricFamily("gpu_exporter_action_runs", "Runs of the action.", labels=labels)
-        failures = CounterMetricFamily(
+        runs = counter("gpu_exporter_action_runs", "Runs of the action.", labels=labels)
+        failures = counter(
             "gpu_exporter_action_failures", "Runs of the action that raised.", labels=labels
         )
-        last = GaugeMetricFamily(
+        last = gauge(
             "gpu_exporter_action_last_success_timestamp_seconds",
             "When the action last succeeded, seconds since the epoch.",
             labels=labels,
         )
-        duration = GaugeMetricFamily(
+        duration = gauge(
             "gpu_exporter_action_duration_seconds", "How long the last run took.", labels=labels
         )
         for name, stats in sorted(self._stats.items()):

@@ -15,8 +15,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-
 from exporter.actions.base import Action, ActionType, Context
 from exporter.config.validate import number, positive_duration, ratio, string_list, whole
 from exporter.config.yamlconf import Section
@@ -25,7 +23,7 @@ from exporter.core.health import CHECKS, LEVELS, HealthConfig, HealthTracker, Ve
 from exporter.core.snapshot import Snapshot
 from exporter.core.statefile import StateError, default_state_file, load_state, save_state
 from exporter.core.units import format_duration
-from exporter.exposition.metrics import GPU_LABELS
+from exporter.exposition.metrics import GPU_LABELS, AnyFamily, counter, gauge
 
 log = logging.getLogger(__name__)
 
@@ -224,9 +222,9 @@ class HealthAction(Action):
         """uuid -> verdict as of the last run (empty before it)."""
         return dict(self._verdicts or {})
 
-    def families(self) -> list[Metric]:
+    def families(self) -> list[AnyFamily]:
         """gpu_health, gpu_health_check, gpu_exporter_health_transitions_total."""
-        transitions = CounterMetricFamily(
+        transitions = counter(
             "gpu_exporter_health_transitions",
             "Changes of a health check's level, by check and the level it went to.",
             labels=["check", "to"],
@@ -235,12 +233,12 @@ class HealthAction(Action):
             transitions.add_metric([name, to], count)
         if self._verdicts is None:
             return [transitions]
-        health = GaugeMetricFamily(
+        health = gauge(
             "gpu_health",
             "The GPU's health verdict, its worst check: 0 ok, 1 warning, 2 critical.",
             labels=GPU_LABELS,
         )
-        checks = GaugeMetricFamily(
+        checks = gauge(
             "gpu_health_check",
             "One health check of the GPU: 0 ok, 1 warning, 2 critical.",
             labels=[*GPU_LABELS, "check"],

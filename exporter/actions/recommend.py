@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from prometheus_client.core import GaugeMetricFamily, Metric
-
 from exporter.actions.base import Action, ActionType, Context
 from exporter.config.policies import parse_policies
 from exporter.config.yamlconf import Section
@@ -22,7 +20,7 @@ from exporter.core.findings import (
 )
 from exporter.core.selection import Policy, Recommendation, recommend, with_default
 from exporter.core.snapshot import Snapshot
-from exporter.exposition.metrics import GPU_LABELS
+from exporter.exposition.metrics import GPU_LABELS, AnyFamily, gauge
 
 _NONE: Mapping[str, Any] = MappingProxyType({})
 
@@ -97,23 +95,23 @@ class RecommendAction(Action):
         """The last run's recommendation of every policy by name (empty before the first run)."""
         return self._findings.recommendations if self._findings is not None else _NONE
 
-    def families(self) -> list[Metric]:
+    def families(self) -> list[AnyFamily]:
         """gpu_recommended, gpu_recommendation_score, gpu_recommended_devices."""
         findings = self._findings
         if findings is None:
             return []
         labels = [*GPU_LABELS, "policy"]
-        recommended = GaugeMetricFamily(
+        recommended = gauge(
             "gpu_recommended",
             "1 when the policy recommends this GPU for a new job, else 0.",
             labels=labels,
         )
-        score = GaugeMetricFamily(
+        score = gauge(
             "gpu_recommendation_score",
             "The GPU's score under the policy's strategy, higher is better (absent: no score).",
             labels=labels,
         )
-        devices = GaugeMetricFamily(
+        devices = gauge(
             "gpu_recommended_devices",
             "GPUs the policy recommends: its count, or 0 when too few qualify.",
             labels=["policy"],

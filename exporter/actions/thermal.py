@@ -31,8 +31,6 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from prometheus_client.core import GaugeMetricFamily, Metric
-
 from exporter.actions.base import Action, ActionType, Context, SnapshotCursor
 from exporter.config.options import option, parse_options
 from exporter.config.validate import celsius, duration, non_negative, positive, ratio
@@ -40,7 +38,7 @@ from exporter.config.yamlconf import Section
 from exporter.core.findings import Findings, ThermalLevels
 from exporter.core.health import thermal_limits
 from exporter.core.snapshot import Gpu, Snapshot
-from exporter.exposition.metrics import GPU_LABELS
+from exporter.exposition.metrics import GPU_LABELS, AnyFamily, gauge
 
 LEVEL_NAMES = ("ok", "warning", "critical")
 _BAND_TOLERANCE = 1e-9  # utilizations are whole percents; 0.8 - 0.6 is 0.20000000000000007
@@ -135,18 +133,18 @@ class ThermalAction(Action):
         )
         self.findings.publish(ThermalLevels(self.levels()))
 
-    def families(self) -> list[Metric]:
+    def families(self) -> list[AnyFamily]:
         """``gpu_thermal_hotspot`` and ``gpu_thermal_outlier``; none before the first run."""
         published = self._published
         if published is None:
             return []
-        hotspot = GaugeMetricFamily(
+        hotspot = gauge(
             "gpu_thermal_hotspot",
             "Thermal level of the GPU: 0 ok, 1 warning, 2 critical; absent while the "
             "temperature is unknown.",
             labels=GPU_LABELS,
         )
-        outlier = GaugeMetricFamily(
+        outlier = gauge(
             "gpu_thermal_outlier",
             "1 while the GPU runs hotter than GPUs at similar utilization by outlier_celsius or "
             "more, else 0; absent while the temperature is unknown.",

@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from prometheus_client.core import GaugeMetricFamily, Metric
-
 from exporter.actions.base import Action, ActionType, Context, SnapshotCursor
 from exporter.config.options import option, parse_options
 from exporter.config.validate import duration, ratio, size, whole
@@ -44,7 +42,7 @@ from exporter.core.findings import Findings, GpuWaste, ProcessWaste, Waste
 from exporter.core.procfs import in_initial_pid_namespace
 from exporter.core.snapshot import Gpu, GpuProcess, Snapshot
 from exporter.core.units import format_bytes, format_duration
-from exporter.exposition.metrics import GPU_LABELS
+from exporter.exposition.metrics import GPU_LABELS, AnyFamily, gauge
 
 #: A process: (GPU uuid, pid, start time), so that a reused PID starts afresh.
 _Key = tuple[str, int, float | None]
@@ -304,40 +302,40 @@ class WasteAction(Action):
 
     # -- metrics ---------------------------------------------------------------------------------
 
-    def families(self) -> list[Metric]:
+    def families(self) -> list[AnyFamily]:
         """The waste families of the last run (none before it)."""
         found = self._published
         if found is None:
             return []
-        idle = GaugeMetricFamily(
+        idle = gauge(
             "gpu_process_idle_seconds",
             "How long a process holding at least min_memory has been idle so far (absent "
             "when it is not idle).",
             labels=_PROCESS_LABELS,
         )
-        holders = GaugeMetricFamily(
+        holders = gauge(
             "gpu_idle_holders",
             "Processes holding at least min_memory that have been idle for at least `for`.",
             labels=GPU_LABELS,
         )
-        allocated = GaugeMetricFamily(
+        allocated = gauge(
             "gpu_allocated_idle",
             "1 while the GPU is allocated to a pod or a Slurm job and has been idle for at "
             "least `for`, else 0 (absent when it is not allocated).",
             labels=GPU_LABELS,
         )
-        orphaned = GaugeMetricFamily(
+        orphaned = gauge(
             "gpu_orphaned_memory_bytes",
             "GPU memory held by no live process: of PIDs gone from procfs, and used memory no "
             "listed process accounts for beyond orphaned_min_memory.",
             labels=GPU_LABELS,
         )
-        growth = GaugeMetricFamily(
+        growth = gauge(
             "gpu_process_memory_growth_bytes",
             "How much a leak suspect's GPU memory grew over the last leak.samples samples.",
             labels=_PROCESS_LABELS,
         )
-        leaks = GaugeMetricFamily(
+        leaks = gauge(
             "gpu_leak_suspects",
             "Processes whose GPU memory grew in each of the last leak.samples samples.",
             labels=GPU_LABELS,

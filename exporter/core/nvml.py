@@ -884,9 +884,10 @@ class Nvml:
                         supported.add(gap)
                     value = number
                 else:
-                    value = self._field_entry(gap, code, number, errors)
-                    if value is None:
+                    entry = self._field_entry(gap, code, number, errors)
+                    if entry is None:
                         continue
+                    value = entry
                 if reading.equals is not None:
                     value = 1.0 if value == reading.equals else 0.0
                 value *= reading.scale

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client.core import Metric
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
@@ -105,11 +105,14 @@ def render_families(families: Iterable[AnyFamily]) -> Exposition:
     return Exposition(families)
 
 
-def _gauge(name: str, doc: str, labels: list[str] | None = None) -> Rows:
+def gauge(name: str, doc: str, labels: Sequence[str] | None = None) -> Rows:
+    """A gauge family to fill with ``add_metric``; its labels are ``gpu`` and ``uuid`` unless
+    given."""
     return Rows(name, doc, "gauge", GPU_LABELS if labels is None else labels)
 
 
-def _counter(name: str, doc: str, labels: list[str] | None = None) -> Rows:
+def counter(name: str, doc: str, labels: Sequence[str] | None = None) -> Rows:
+    """A counter family (``name`` without ``_total``), as :func:`gauge`."""
     return Rows(name, doc, "counter", GPU_LABELS if labels is None else labels)
 
 
@@ -157,8 +160,8 @@ def _process_count(gpu: Gpu) -> int | None:
 def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
     """Every ``gpu_*`` and ``gpu_process_*`` family of one Snapshot."""
     host = snapshot.host
-    info = _gauge("gpu_info", "Identity of a GPU; always 1.", INFO_LABELS)
-    up = _gauge("gpu_up", "1 while the GPU's last sample succeeded, 0 when it failed.")
+    info = gauge("gpu_info", "Identity of a GPU; always 1.", INFO_LABELS)
+    up = gauge("gpu_up", "1 while the GPU's last sample succeeded, 0 when it failed.")
     for gpu in snapshot.gpus:
         up.add_metric([str(gpu.index), gpu.uuid], 1.0 if gpu.up else 0.0)
         if gpu.info is not None:
@@ -182,23 +185,23 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
         up,
         _per_gpu(
             live,
-            _gauge("gpu_memory_total_bytes", "Total GPU memory."),
+            gauge("gpu_memory_total_bytes", "Total GPU memory."),
             lambda g: _static(g, "memory_total_bytes"),
         ),
         _per_gpu(
             live,
-            _gauge(
+            gauge(
                 "gpu_memory_used_bytes",
                 "GPU memory in use (reserved memory not counted where the driver has v2 info).",
             ),
             lambda g: g.memory_used_bytes,
         ),
         _per_gpu(
-            live, _gauge("gpu_memory_free_bytes", "Free GPU memory."), lambda g: g.memory_free_bytes
+            live, gauge("gpu_memory_free_bytes", "Free GPU memory."), lambda g: g.memory_free_bytes
         ),
         _per_gpu(
             live,
-            _gauge(
+            gauge(
                 "gpu_memory_reserved_bytes",
                 "GPU memory reserved by the driver and firmware (memory info v2).",
             ),
@@ -206,14 +209,14 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
         ),
         _per_gpu(
             live,
-            _gauge(
+            gauge(
                 "gpu_utilization_ratio", "Fraction of the last sample period a kernel ran (0-1)."
             ),
             lambda g: g.utilization_ratio,
         ),
         _per_gpu(
             live,
-            _gauge(
+            gauge(
                 "gpu_memory_utilization_ratio",
                 "Fraction of the last sample period device memory was read or written (0-1).",
             ),
@@ -221,12 +224,12 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
         ),
         _per_gpu(
             live,
-            _gauge("gpu_temperature_celsius", "GPU core temperature."),
+            gauge("gpu_temperature_celsius", "GPU core temperature."),
             lambda g: g.temperature_celsius,
         ),
         _per_gpu_by(
             live,
-            _gauge(
+            gauge(
                 "gpu_temperature_threshold_celsius",
                 "The GPU's own temperature thresholds (slowdown, shutdown, gpu_max, memory_max).",
                 [*GPU_LABELS, "threshold"],
@@ -235,7 +238,7 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
         ),
         _per_gpu(
             live,
-            _gauge(
+            gauge(
                 "gpu_gpm_supported",
                 "1 when the GPU has GPU Performance Monitoring (the gpu_*_active_ratio metrics), "
                 "0 when it does not.",
@@ -244,27 +247,27 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
         ),
         _per_gpu(
             live,
-            _gauge("gpu_power_limit_watts", "Enforced power limit."),
+            gauge("gpu_power_limit_watts", "Enforced power limit."),
             lambda g: _static(g, "power_limit_watts"),
         ),
         _per_gpu(
             live,
-            _gauge("gpu_fan_speed_ratio", "Fan speed, fraction of maximum."),
+            gauge("gpu_fan_speed_ratio", "Fan speed, fraction of maximum."),
             lambda g: g.fan_speed_ratio,
         ),
         _per_gpu_by(
             live,
-            _gauge("gpu_clock_hz", "Current clock frequency.", [*GPU_LABELS, "clock"]),
+            gauge("gpu_clock_hz", "Current clock frequency.", [*GPU_LABELS, "clock"]),
             lambda g: g.clocks_hz.items(),
         ),
         _per_gpu(
             live,
-            _gauge("gpu_performance_state", "Performance state, 0 (maximum) to 15 (minimum)."),
+            gauge("gpu_performance_state", "Performance state, 0 (maximum) to 15 (minimum)."),
             lambda g: g.performance_state,
         ),
         _per_gpu_by(
             live,
-            _gauge(
+            gauge(
                 "gpu_clock_event_active",
                 "1 while this clock-event (throttle) reason holds clocks down, else 0.",
                 [*GPU_LABELS, "reason"],
@@ -273,12 +276,12 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
         ),
         _per_gpu(
             live,
-            _gauge("gpu_processes", "Processes NVML lists on the GPU (compute and graphics)."),
+            gauge("gpu_processes", "Processes NVML lists on the GPU (compute and graphics)."),
             _process_count,
         ),
         _per_gpu(
             live,
-            _gauge("gpu_reserved", "1 while a launcher lock holds the GPU for a job, else 0."),
+            gauge("gpu_reserved", "1 while a launcher lock holds the GPU for a job, else 0."),
             lambda g: 1.0 if g.reserved_by is not None else 0.0,
         ),
         *reading_families(live),
@@ -288,7 +291,7 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
         *_allocations(live),
         _per_process(
             live,
-            _gauge(
+            gauge(
                 "gpu_process_memory_used_bytes",
                 "GPU memory used by one process on one GPU.",
                 PROCESS_LABELS,
@@ -297,7 +300,7 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
         ),
         _per_process(
             live,
-            _gauge(
+            gauge(
                 "gpu_process_sm_utilization_ratio",
                 "Highest SM utilization of one process on one GPU since the previous sample (0-1).",
                 PROCESS_LABELS,
@@ -307,7 +310,7 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
         *(
             _per_process(
                 live,
-                _gauge(
+                gauge(
                     f"gpu_process_{name}_utilization_ratio",
                     f"Highest {what} utilization of one process on one GPU since the previous "
                     "sample (0-1).",
@@ -383,13 +386,13 @@ def _link_pairs(
 def xid_families(gpus: Iterable[Gpu]) -> list[Family]:
     """XIDs per GPU and code (also while a GPU is down: the count must not vanish when the
     XID took the GPU down), and whether the GPU's driver delivers them."""
-    errors = _counter(
+    errors = counter(
         "gpu_xid_errors",
         "XID errors NVML delivered since the agent started, by code and what NVIDIA's catalog "
         "says the code needs (restart_app, reset_gpu, reboot, check_workflow, ignore, unknown).",
         [*GPU_LABELS, "xid", "resolution"],
     )
-    supported = _gauge(
+    supported = gauge(
         "gpu_xid_events_supported",
         "1 when the GPU's driver delivers XID events to the agent, 0 when it does not.",
     )
@@ -407,12 +410,12 @@ def xid_families(gpus: Iterable[Gpu]) -> list[Family]:
 def _allocations(gpus: Iterable[Gpu]) -> list[Family]:
     """Whom each GPU (or MIG device) is allocated to, to join on the GPU: Kubernetes containers
     and Slurm jobs; and how many of its processes run outside their job's or pod's GPUs."""
-    allocated = _gauge(
+    allocated = gauge(
         "gpu_allocation_info",
         "1 for each container or job a GPU (or, with mig_uuid, a MIG device) is allocated to.",
         ["gpu", "uuid", "mig_uuid", "namespace", "pod", "container", "slurm_job"],
     )
-    outside = _gauge(
+    outside = gauge(
         "gpu_processes_outside_allocation",
         "Processes on the GPU whose Slurm job or pod was not given it (only where the kubelet "
         "or the job-mapping directory says what was given).",
@@ -431,7 +434,7 @@ def _allocations(gpus: Iterable[Gpu]) -> list[Family]:
 def _owners(gpus: Iterable[Gpu]) -> Family:
     """Who each GPU process belongs to, to join on ``pid``: its Kubernetes container (named by
     the kubelet) and its Slurm job (from its cgroup)."""
-    owners = _gauge(
+    owners = gauge(
         "gpu_process_owner_info",
         "1 for each GPU process whose owner is known: its Kubernetes pod or Slurm job.",
         ["gpu", "uuid", "pid", "namespace", "pod", "container", "slurm_job"],
@@ -452,24 +455,24 @@ _MIG_GPM = tuple((r, "gpu_mig_" + r.metric[len("gpu_") :]) for r in GPM_READINGS
 def mig_families(gpus: Iterable[Gpu]) -> list[Family]:
     """The MIG devices of GPUs in MIG mode (every series with the parent's ``gpu`` and
     ``uuid``, and ``mig_uuid``), and which MIG device each process runs on."""
-    info = _gauge(
+    info = gauge(
         "gpu_mig_info",
         "A MIG device of the GPU; always 1.",
         [*MIG_LABELS, "gpu_instance", "compute_instance", "profile"],
     )
     memory = {
-        part: _gauge(f"gpu_mig_memory_{part}_bytes", f"{text} of the MIG device.", MIG_LABELS)
+        part: gauge(f"gpu_mig_memory_{part}_bytes", f"{text} of the MIG device.", MIG_LABELS)
         for part, text in (("total", "Memory"), ("used", "Memory in use"), ("free", "Free memory"))
     }
     gpm = {
-        name: _gauge(
+        name: gauge(
             name,
             reading.help.replace("from GPM", "of the MIG device's GPU instance, from GPM"),
             MIG_LABELS,
         )
         for reading, name in _MIG_GPM
     }
-    process = _gauge(
+    process = gauge(
         "gpu_process_mig_info",
         "1 for each MIG device a process runs on (join on pid for its other series).",
         ["gpu", "uuid", "pid", "mig_uuid"],
@@ -516,37 +519,35 @@ def _per_process(
 
 def self_families(snapshot: Snapshot, stats: SelfStats) -> list[AnyFamily]:
     """The agent's own ``gpu_exporter_*`` families as of one Snapshot."""
-    build = _gauge(
+    build = gauge(
         "gpu_exporter_build_info",
         "Version of gpu-exporter; always 1.",
         ["version", "python_version"],
     )
     build.add_metric([__version__, ".".join(map(str, sys.version_info[:3]))], 1.0)
-    nvml_up = _gauge("gpu_exporter_nvml_up", "1 while NVML answers, 0 when it is unavailable.", [])
+    nvml_up = gauge("gpu_exporter_nvml_up", "1 while NVML answers, 0 when it is unavailable.", [])
     nvml_up.add_metric([], 1.0 if snapshot.nvml_up else 0.0)
-    duration = _gauge("gpu_exporter_sample_duration_seconds", "How long the last sample took.", [])
+    duration = gauge("gpu_exporter_sample_duration_seconds", "How long the last sample took.", [])
     duration.add_metric([], snapshot.duration_seconds)
-    last = _gauge(
+    last = gauge(
         "gpu_exporter_last_sample_timestamp_seconds",
         "When the last sample started, seconds since the epoch.",
         [],
     )
     last.add_metric([], snapshot.timestamp)
-    interval = _gauge(
-        "gpu_exporter_sample_interval_seconds", "Configured time between samples.", []
-    )
+    interval = gauge("gpu_exporter_sample_interval_seconds", "Configured time between samples.", [])
     interval.add_metric([], stats.interval_seconds)
-    calls = _gauge("gpu_exporter_sample_nvml_calls", "NVML calls the last sample made.", [])
+    calls = gauge("gpu_exporter_sample_nvml_calls", "NVML calls the last sample made.", [])
     calls.add_metric([], snapshot.nvml_calls)
-    samples = _counter("gpu_exporter_samples", "Samples taken.", [])
+    samples = counter("gpu_exporter_samples", "Samples taken.", [])
     samples.add_metric([], stats.samples_total)
-    deadline = _counter(
+    deadline = counter(
         "gpu_exporter_sample_deadline_exceeded",
         "Samples that took longer than the sample deadline.",
         [],
     )
     deadline.add_metric([], stats.deadline_exceeded_total)
-    errors = _counter(
+    errors = counter(
         "gpu_exporter_sample_errors",
         "Errors met while sampling, by source (nvml, gpu, field, sampler) and error name.",
         ["source", "error"],

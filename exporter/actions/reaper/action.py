@@ -42,8 +42,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-
 from exporter.actions.audit import AuditLog
 from exporter.actions.base import Action, ActionType, Context
 from exporter.actions.reaper.config import CLASSES, ReaperConfig, parse_reaper
@@ -53,7 +51,7 @@ from exporter.core.findings import RECENT_DECISIONS, Findings, ZombieHolders
 from exporter.core.locks import SUFFIX as LOCK_SUFFIX
 from exporter.core.procfs import Credentials, ProcessInfo, ProcFs, file_identity, scan_fd_holders
 from exporter.core.snapshot import Gpu, GpuProcess, Snapshot
-from exporter.exposition.metrics import GPU_LABELS
+from exporter.exposition.metrics import GPU_LABELS, AnyFamily, Family, counter, gauge
 
 log = logging.getLogger(__name__)
 
@@ -720,8 +718,8 @@ class ZombieReaper(Action):
 
     # -- metrics --------------------------------------------------------------------------
 
-    def families(self) -> list[Metric]:
-        zombies = GaugeMetricFamily(
+    def families(self) -> list[AnyFamily]:
+        zombies = gauge(
             "gpu_zombie_processes",
             "Processes (or leaks) of each zombie class on the GPU, from the last reaper run.",
             labels=[*GPU_LABELS, "class"],
@@ -729,21 +727,21 @@ class ZombieReaper(Action):
         for (index, uuid), counts in sorted((self._counts or {}).items()):
             for cls in CLASSES:
                 zombies.add_metric([str(index), uuid, cls], counts[cls])
-        actions = CounterMetricFamily(
+        actions = counter(
             "gpu_exporter_zombie_actions",
             "Reaper decisions by action (report, skip, signal, cancel, confirm) and outcome.",
             labels=["action", "outcome"],
         )
         for (action, outcome), count in sorted(self.actions_total.items()):
             actions.add_metric([action, outcome], count)
-        audit = CounterMetricFamily(
+        audit = counter(
             "gpu_exporter_audit_write_failures",
             "Audit log writes that failed (disk full, permissions); no signal follows one.",
             labels=[],
         )
         audit.add_metric([], self.audit.failures)
         caps = _capability_family(self._caps)
-        found = [actions, caps, audit]
+        found: list[AnyFamily] = [actions, caps, audit]
         return [zombies, *found] if self._counts is not None else found
 
     def close(self, reason: str = "agent_stopped") -> None:
@@ -759,9 +757,9 @@ class ZombieReaper(Action):
         self.audit.close()
 
 
-def _capability_family(caps: frozenset[str] | None) -> GaugeMetricFamily:
+def _capability_family(caps: frozenset[str] | None) -> Family:
     """``gpu_exporter_capability{name}``: 1 when the capability is in the effective set."""
-    family = GaugeMetricFamily(
+    family = gauge(
         "gpu_exporter_capability",
         "1 when the agent has the capability in its effective set (those the zombie reaper "
         "needs), else 0.",
