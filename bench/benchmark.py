@@ -817,6 +817,11 @@ def targets(results: dict[str, Result]) -> list[str]:
         f"agent CPU at most a third: {ours['cpu_percent']:.2f}% vs {theirs['cpu_percent']:.2f}% "
         f"(ours is {ours['cpu_percent'] / theirs['cpu_percent']:.2f} of theirs)",
     )
+    verdict(
+        ours["cpu_percent"] <= theirs["cpu_percent"] / 4,
+        f"agent CPU at most 0.25x nvitop-exporter's, GPM and per-process utilization on "
+        f"(issue 19): {ours['cpu_percent']:.2f}% vs {theirs['cpu_percent']:.2f}%",
+    )
     calls = ours["calls_per_sample"] / theirs["calls_per_sample"]
     families = ours["gpu_fields"] / max(theirs["gpu_fields"], 1)
     verdict(
