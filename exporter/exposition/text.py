@@ -71,12 +71,11 @@ def _label_value(value: str) -> str:
     return value
 
 
-#: (sample name, label names, label values) -> the sample's line up to its value, for the
-#: families of rows (the GPUs' readings): the same series come back sample after sample, and
-#: their labels need writing once. Process series, which come and go, are not kept.
-_PREFIXES: dict[tuple[str, tuple[str, ...], tuple[str, ...]], str] = {}
-#: Beyond this many, the cache starts again (GPUs that came and went, renumbered).
-_MAX_PREFIXES = 20_000
+#: family name -> (its label names, {label values: the sample's line up to its value}) of the
+#: series it had when last written: the same series come back sample after sample and their
+#: labels need writing once. Only the series of the last write are kept, so series that come
+#: and go (processes, GPUs renumbered) leave nothing behind.
+_PREFIXES: dict[str, tuple[tuple[str, ...], dict[tuple[str, ...], str]]] = {}
 
 
 def _prefix(name: str, keys: tuple[str, ...], values: tuple[str, ...]) -> str | None:
@@ -134,20 +133,20 @@ def _rows(family: Family, out: list[str]) -> None:
 
 
 def _write_rows(family: Family, out: list[str]) -> None:
-    name = family.sample_name
-    prefixes, names = _PREFIXES, family.label_names
+    name, names = family.sample_name, family.label_names
+    kept = _PREFIXES.get(family.name)
+    known = kept[1] if kept is not None and kept[0] == names else {}
+    used: dict[tuple[str, ...], str] = {}
     lines = []
     for values, value in family.rows:
-        key = (name, names, values)
-        prefix = prefixes.get(key)
+        prefix = known.get(values)
         if prefix is None:
-            prefix = _prefix(*key)
+            prefix = _prefix(name, names, values)
             if prefix is None:
                 raise ValueError(f"{name}: a label name the text format cannot hold: {names}")
-            if len(prefixes) >= _MAX_PREFIXES:
-                prefixes.clear()
-            prefixes[key] = prefix
+        used[values] = prefix
         lines.append(prefix + floatToGoString(value) + "\n")
+    _PREFIXES[family.name] = (names, used)
     documentation = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
     out.append(f"# HELP {name} {documentation}\n# TYPE {name} {family.type}\n")
     out.extend(lines)
