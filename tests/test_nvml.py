@@ -298,13 +298,13 @@ def test_a_read_without_busy_samples_moves_the_next_one_forward(simulated, clock
     process busy since then is still seen."""
     driver = simulated(BUSY_AND_IDLE % "{points: [[0s, 0], [9.5s, 0], [9.6s, 0.3]]}")
     asked: list[int] = []
-    real = driver.nvmlDeviceGetProcessesUtilizationInfo
+    real = getattr(driver, UTILIZATION_CALL)
 
     def recording(handle, since):
         asked.append(since)
         return real(handle, since)
 
-    driver.nvmlDeviceGetProcessesUtilizationInfo = recording
+    setattr(driver, UTILIZATION_CALL, recording)
     nvml = Nvml(library=driver, wall=driver.wall)
     nvml.init()
     info, reading = _read(nvml)
