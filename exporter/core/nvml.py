@@ -880,8 +880,7 @@ class Nvml:
                 entries, self._field_entries(answer), strict=False
             ):
                 if code == 0 and number is not None:  # the common case, inline: 1000s a sample
-                    if gap not in supported:
-                        supported.add(gap)
+                    supported.add(gap)
                     value = number
                 else:
                     entry = self._field_entry(gap, code, number, errors)

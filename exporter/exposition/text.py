@@ -11,7 +11,7 @@ timestamps, ``_created`` samples, histograms) go to ``generate_latest`` as they 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client.core import Metric
 from prometheus_client.exposition import generate_latest
@@ -71,13 +71,6 @@ def _label_value(value: str) -> str:
     return value
 
 
-#: family name -> (its label names, {label values: the sample's line up to its value}) of the
-#: series it had when last written: the same series come back sample after sample and their
-#: labels need writing once. Only the series of the last write are kept, so series that come
-#: and go (processes, GPUs renumbered) leave nothing behind.
-_PREFIXES: dict[str, tuple[tuple[str, ...], dict[tuple[str, ...], str]]] = {}
-
-
 def _prefix(name: str, keys: tuple[str, ...], values: tuple[str, ...]) -> str | None:
     """``name{label="value",...} `` with the labels in name order; None for a label name the
     text format would have to escape."""
@@ -114,42 +107,46 @@ def _family(family: Metric, out: list[str]) -> bool:
     return True
 
 
-#: family name -> (its rows, their text) as last written: most readings do not change from one
-#: sample to the next (error counters at 0, links up, link widths), and equal rows are written
-#: as before without formatting a number.
-_WRITTEN: dict[str, tuple[list[tuple[tuple[str, ...], float]], str]] = {}
+class _Written(NamedTuple):
+    """What one family wrote last time."""
+
+    rows: list[tuple[tuple[str, ...], float]]
+    text: str
+    label_names: tuple[str, ...]
+    #: label values -> the series' line up to its value, for the series of ``rows`` only
+    prefixes: dict[tuple[str, ...], str]
+
+
+#: family name -> what it wrote last time. Most readings do not change from one sample to the
+#: next (error counters at 0, links up, link widths): equal rows are written as before without
+#: formatting a number. The same series come back sample after sample: their label text is
+#: written once. Only the series of the last write are kept, so series that come and go
+#: (processes, GPUs renumbered) leave nothing behind.
+_WRITTEN: dict[str, _Written] = {}
 
 
 def _rows(family: Family, out: list[str]) -> None:
     """Append the lines of one of our own families."""
-    written = _WRITTEN.get(family.name)
-    if written is not None and written[0] == family.rows:
-        out.append(written[1])
-        return
-    text: list[str] = []
-    _write_rows(family, text)
-    _WRITTEN[family.name] = (family.rows, "".join(text))
-    out.extend(text)
-
-
-def _write_rows(family: Family, out: list[str]) -> None:
     name, names = family.sample_name, family.label_names
-    kept = _PREFIXES.get(family.name)
-    known = kept[1] if kept is not None and kept[0] == names else {}
-    used: dict[tuple[str, ...], str] = {}
-    lines = []
+    written = _WRITTEN.get(family.name)
+    if written is not None and written.rows == family.rows and written.label_names == names:
+        out.append(written.text)
+        return
+    known = written.prefixes if written is not None and written.label_names == names else {}
+    prefixes: dict[tuple[str, ...], str] = {}
+    documentation = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
+    lines = [f"# HELP {name} {documentation}\n# TYPE {name} {family.type}\n"]
     for values, value in family.rows:
         prefix = known.get(values)
         if prefix is None:
             prefix = _prefix(name, names, values)
             if prefix is None:
                 raise ValueError(f"{name}: a label name the text format cannot hold: {names}")
-        used[values] = prefix
+        prefixes[values] = prefix
         lines.append(prefix + floatToGoString(value) + "\n")
-    _PREFIXES[family.name] = (names, used)
-    documentation = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
-    out.append(f"# HELP {name} {documentation}\n# TYPE {name} {family.type}\n")
-    out.extend(lines)
+    text = "".join(lines)
+    _WRITTEN[family.name] = _Written(family.rows, text, names, prefixes)
+    out.append(text)
 
 
 def has_samples(family: Any) -> bool:
