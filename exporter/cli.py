@@ -10,9 +10,10 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import os
+import select
 import signal
 import sys
-import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -398,6 +399,57 @@ def _check_tls(config: Config) -> Any:
     return None
 
 
+class Signals:
+    """SIGTERM and SIGINT (stop) and SIGHUP (reload) for the main thread, which sleeps until
+    one comes: no periodic wake-up (each one costs the agent a GIL hand-over with the sampler).
+    The handlers only set flags (no lock a handler could find held); the wake-up is
+    ``signal.set_wakeup_fd``'s byte on a pipe."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self._reloads = self._taken = 0
+        self._read_fd = self._write_fd = -1
+        self._previous: list[tuple[int, Any]] = []
+        self._previous_fd = -1
+
+    def __enter__(self) -> Signals:
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self._previous_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            self._previous.append((signum, signal.signal(signum, self._on_signal)))
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for signum, handler in self._previous:
+            signal.signal(signum, handler)
+        signal.set_wakeup_fd(self._previous_fd)
+        os.close(self._read_fd)
+        os.close(self._write_fd)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if signum == signal.SIGHUP:
+            self._reloads += 1
+            return
+        if not self.stopping:
+            log.info("received %s, stopping", signal.Signals(signum).name)
+        self.stopping = True
+
+    def wait(self, timeout: float | None) -> bool:
+        """Sleep until a signal came (or ``timeout`` passed); True once a stop was asked."""
+        if not self.stopping and self._reloads == self._taken:
+            ready, _, _ = select.select([self._read_fd], [], [], timeout)
+            if ready:
+                os.read(self._read_fd, 512)
+        return self.stopping
+
+    def take_reload(self) -> bool:
+        """Whether a SIGHUP came since the last call."""
+        reloads = self._reloads
+        taken, self._taken = self._taken, reloads
+        return reloads != taken
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Sample and serve until SIGTERM or SIGINT; SIGHUP reloads the config and the web config
     file (which is also reloaded when it or its TLS files change)."""
@@ -415,18 +467,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = _config(args, _agent_actions)
     web = _check_tls(config)
     _setup_logging(config.log_level)
-    stop, reload = threading.Event(), threading.Event()
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        if signum == signal.SIGHUP:
-            reload.set()
-            return
-        log.info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, on_signal)
-    with _simulation(config) as driver:
+    signals = Signals()
+    with signals, _simulation(config) as driver:
         procfs = ProcFs(config.proc_root)
         lock_dir = _agent_lock_dir(config)
         nvml = Nvml(library=driver)
@@ -501,11 +543,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f", simulated GPUs: {config.simulate}" if driver else "",
         )
         waiting = False  # a reload waits for a running action, a second at a time
-        while not stop.wait(0.2):
-            if reload.is_set() or waiting:
-                if reload.is_set():
+        while not signals.wait(1.0 if waiting else None):
+            reload = signals.take_reload()
+            if reload or waiting:
+                if reload:
                     server.reload_web_config()  # as its watch does; logs what it did
-                reload.clear()
                 reloaded = _reload(args, config, sampler, engine, waiting)
                 waiting = reloaded is None
                 config = reloaded or config

@@ -472,3 +472,20 @@ def test_a_closed_stdout_ends_quietly(command):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err
+
+
+def test_serve_sleeps_until_a_signal_comes() -> None:
+    """The agent's main thread wakes for a signal, not on a timer: SIGHUP is a reload, SIGTERM
+    a stop, and the handlers it replaced come back afterwards."""
+    from exporter.cli import Signals
+
+    before = signal.getsignal(signal.SIGHUP)
+    with Signals() as signals:
+        assert signals.wait(0) is False and signals.take_reload() is False
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert signals.wait(None) is False  # woken by the SIGHUP, not a timeout
+        assert signals.take_reload() is True and signals.take_reload() is False
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert signals.wait(None) is True
+        assert signals.wait(None) is True  # a stop stays asked
+    assert signal.getsignal(signal.SIGHUP) is before
