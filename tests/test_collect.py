@@ -142,10 +142,10 @@ def test_process_that_exits_between_nvml_and_procfs(simulated, collector):
         simulated(f"gpus: [{{processes: [{{pid: {child.pid}, memory: 1GiB}}]}}]\n")
         real_process = collector.procfs.process
 
-        def exits_first(pid):  # the process ends right after NVML listed it
+        def exits_first(pid, keep=False):  # the process ends right after NVML listed it
             child.kill()
             child.wait()
-            return real_process(pid)
+            return real_process(pid, keep)
 
         collector.procfs.process = exits_first
         snap = collector.sample()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -533,13 +535,14 @@ def test_real_proc_sees_this_process() -> None:
     assert time.time() - 24 * 3600 < info.start_time <= time.time() + 2
 
 
-def test_real_proc_sees_a_child_until_it_is_reaped() -> None:
+@pytest.mark.parametrize("keep", [False, True], ids=["looked-up", "kept-open"])
+def test_real_proc_sees_a_child_until_it_is_reaped(keep: bool) -> None:
     argv = [sys.executable, "-c", "import time; time.sleep(30)"]
     procfs = ProcFs()
     started = time.time()
     child = subprocess.Popen(argv)
     try:
-        info = procfs.process(child.pid)
+        info = procfs.process(child.pid, keep)
         assert info is not None
         assert info.pid == child.pid
         assert info.ppid == os.getpid()
@@ -549,7 +552,7 @@ def test_real_proc_sees_a_child_until_it_is_reaped() -> None:
         deadline = time.monotonic() + 5
         while info is not None and info.cmdline != tuple(argv) and time.monotonic() < deadline:
             time.sleep(0.01)
-            info = procfs.process(child.pid)
+            info = procfs.process(child.pid, keep)
         assert info is not None
         assert info.cmdline == tuple(argv)
         assert info.start_time is not None
@@ -559,13 +562,13 @@ def test_real_proc_sees_a_child_until_it_is_reaped() -> None:
         deadline = time.monotonic() + 5
         while info is not None and info.state != "Z" and time.monotonic() < deadline:
             time.sleep(0.01)
-            info = procfs.process(child.pid)
+            info = procfs.process(child.pid, keep)
         assert info is not None
         assert info.state == "Z"
         assert info.cmdline == tuple(argv)  # remembered from when it was alive
         assert ProcFs().process(child.pid).cmdline == ()  # the kernel has dropped it
         child.wait(timeout=5)
-        assert procfs.process(child.pid) is None
+        assert procfs.process(child.pid, keep) is None
     finally:
         if child.poll() is None:
             child.kill()
@@ -584,3 +587,98 @@ def test_lasting_facts_are_read_once_per_process(fake: FakeProc) -> None:
     procfs.retain(set())  # forgotten: read again next time
     (piddir / "cmdline").write_bytes(b"again\0")
     assert procfs.process(4321).cmdline == ("again",)
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _until(what: str, check, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+    return found
+
+
+def test_a_kept_process_is_read_fresh_each_time() -> None:
+    """A process whose files are kept open is still read as it is now: its state, its owner
+    and, after an exec, its new name and command line."""
+    code = (
+        "import os, sys, time; sys.stdin.readline(); "
+        + ("os.setresuid(65534, 65534, 65534); " if os.geteuid() == 0 else "")
+        + f"sys.stdin.readline(); os.execv({shutil.which('sleep')!r}, ['sleep', '30'])"
+    )  # execv: execvp imports a module, which nobody (65534) may not be able to read
+    procfs = ProcFs()
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    assert child.stdin is not None
+    try:
+        first = _until("the child's exec", lambda: _python(procfs.process(child.pid, True)))
+        assert first.uid == os.geteuid()
+        os.kill(child.pid, signal.SIGSTOP)
+        assert _until("a stopped state", lambda: _state(procfs.process(child.pid, True), "T"))
+        os.kill(child.pid, signal.SIGCONT)
+        child.stdin.write(b"\n")
+        child.stdin.flush()
+        if os.geteuid() == 0:
+            moved = _until("the new uid", lambda: _uid(procfs.process(child.pid, True), 65534))
+            assert moved.user == pwd.getpwuid(65534).pw_name
+        child.stdin.write(b"\n")
+        child.stdin.flush()
+        after = _until("the second exec", lambda: _named(procfs.process(child.pid, True), "sleep"))
+        assert after.cmdline == ("sleep", "30")
+        assert after.start_ticks == first.start_ticks
+    finally:
+        child.kill()
+        child.wait()
+    assert procfs.process(child.pid, True) is None
+
+
+def _python(info):
+    return info if info is not None and info.cmdline[1:2] == ("-c",) else None
+
+
+def _state(info, state: str):
+    return info if info is not None and info.state == state else None
+
+
+def _uid(info, uid: int):
+    return info if info is not None and info.uid == uid else None
+
+
+def _named(info, name: str):
+    return info if info is not None and info.name == name else None
+
+
+def test_kept_files_are_closed_by_retain_and_close() -> None:
+    children = [subprocess.Popen(["sleep", "30"]) for _ in range(3)]
+    try:
+        procfs = ProcFs()
+        before = _open_descriptors()
+        for child in children:
+            assert procfs.process(child.pid, True) is not None
+        assert _open_descriptors() == before + 2 * len(children)
+        procfs.process(children[0].pid)  # without keep: nothing more stays open
+        assert _open_descriptors() == before + 2 * len(children)
+        procfs.retain({children[0].pid})
+        assert _open_descriptors() == before + 2
+        procfs.close()
+        assert _open_descriptors() == before
+        assert procfs.process(children[0].pid) is not None  # still readable after close
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+
+
+def test_a_copy_of_proc_keeps_nothing_open(fake: FakeProc) -> None:
+    """Files of a copied tree never end with their process: they are looked up every time."""
+    piddir = fake.add(4321, cmdline=b"python3\0train.py\0")
+    procfs = fake.procfs()
+    before = _open_descriptors()
+    assert procfs.process(4321, keep=True) is not None
+    assert _open_descriptors() == before
+    for child in piddir.iterdir():
+        child.unlink()
+    piddir.rmdir()
+    assert procfs.process(4321, keep=True) is None

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import pwd
 import re
+import resource
 import stat
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -97,15 +99,30 @@ class ProcFs:
         self._ticks_per_second = os.sysconf("SC_CLK_TCK")
         self._boot_time: float | None = None
         self._users: dict[int, str] = {}
-        #: pid -> (start ticks, comm, cmdline, container id, pod uid): what stays the same for
-        #: the life of a process (past its exec), so it is read once, not every sample.
-        #: pid -> (start ticks, comm, cmdline, its cgroup's owners: container, pod, job, step)
+        #: pid -> (start ticks, comm, cmdline, its cgroup's owners: container, pod, job, step):
+        #: what stays the same for the life of a process (past its exec), so it is read once,
+        #: not every sample.
         self._lasting: dict[int, tuple[int, str, tuple[str, ...], tuple[str, str, str, str]]] = {}
+        #: pid -> its kept directory and ``stat``, for ``process(pid, keep=True)``
+        self._kept: dict[int, _Kept] = {}
+        self._kept_limit = _kept_limit() if _is_procfs(root) else 0  # a copy's files don't end
+        self._lock = threading.Lock()  # the sampler and the reaper share one ProcFs
 
     def retain(self, pids: set[int]) -> None:
-        """Forget what was remembered about processes other than ``pids``."""
+        """Forget what was remembered about processes other than ``pids`` (and close the files
+        kept open for them)."""
         for pid in [pid for pid in self._lasting if pid not in pids]:
             del self._lasting[pid]
+        with self._lock:
+            for pid in [pid for pid in self._kept if pid not in pids]:
+                self._kept.pop(pid).close()
+
+    def close(self) -> None:
+        """Close the files kept open; reads after this open them again."""
+        with self._lock:
+            for kept in self._kept.values():
+                kept.close()
+            self._kept.clear()
 
     def _read(self, dirfd: int, name: str) -> bytes | None:
         """The file ``name`` of the process whose directory ``dirfd`` is; None when unreadable."""
@@ -150,19 +167,44 @@ class ProcFs:
             self._users[uid] = name
         return name
 
-    def process(self, pid: int) -> ProcessInfo | None:
-        """Facts about ``pid``, or None when it is not visible under this root."""
+    def process(self, pid: int, keep: bool = False) -> ProcessInfo | None:
+        """Facts about ``pid``, or None when it is not visible under this root.
+
+        ``keep``: keep the process's directory and ``stat`` open (until :meth:`retain` leaves it
+        out, or it ends), so that the next call reads one file it already has open instead of
+        looking the process up again: the sampler's call for every GPU process, every sample.
+        """
         if pid <= 0:
             return None
+        with self._lock:
+            kept = self._kept.get(pid)
+            if kept is not None:
+                try:
+                    return self._reread(pid, kept)
+                except OSError:  # it ended (ESRCH): its PID may be another process's by now
+                    self._kept.pop(pid).close()
         try:  # every read goes through the open directory: it stays this process's, even when
             # the process ends and its PID is reused meanwhile (those reads then fail)
             dirfd = os.open(f"{self.root}/{pid}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
             return None
+        stat_fd = -1
         try:
-            return self._process(pid, dirfd)
+            stat_fd = os.open("stat", os.O_RDONLY | os.O_CLOEXEC, dir_fd=dirfd)
+            kept = _Kept(dirfd, stat_fd)
+            info = self._reread(pid, kept)
+            if keep and info is not None:
+                with self._lock:
+                    if pid not in self._kept and len(self._kept) < self._kept_limit:
+                        self._kept[pid] = kept
+                        dirfd = stat_fd = -1  # now the kept one's to close
+            return info
+        except OSError:  # vanished, permission denied, not a process
+            return None
         finally:
-            os.close(dirfd)
+            for fd in (stat_fd, dirfd):
+                if fd >= 0:
+                    os.close(fd)
 
     def credentials(self, pid: int, start_ticks: int) -> Credentials | None:
         """The uids and executable of ``pid`` if it is still the process that started at
@@ -223,23 +265,31 @@ class ProcFs:
         except OSError:
             return False
 
-    def _process(self, pid: int, dirfd: int) -> ProcessInfo | None:
-        stat = self._read(dirfd, "stat")
-        if stat is None:
-            return None
+    def _reread(self, pid: int, kept: _Kept) -> ProcessInfo | None:
+        """The process of ``kept``'s files as they read now: the ProcessInfo of the last read
+        again when nothing it says changed. OSError when the process is gone."""
+        uid = os.fstat(kept.dir_fd).st_uid  # the directory's owner is the process's euid, now
+        stat = os.pread(kept.stat_fd, _STAT_BYTES, 0)
+        close_paren = stat.rfind(b")")
+        # state, ppid, pgid, sid, ..., start time: the fields up to the 22nd
+        rest = stat[close_paren + 2 :].split(None, 20)
+        if close_paren < 0 or len(rest) < 21:
+            return None  # not a stat line (a zombie's may be cut short): not visible
+        facts = (stat[:close_paren], *rest[:4], rest[19], uid)
+        if kept.info is None or facts != kept.facts:
+            kept.facts, kept.info = facts, self._process(pid, kept.dir_fd, stat, rest, uid)
+        return kept.info
+
+    def _process(
+        self, pid: int, dirfd: int, stat: bytes, rest: list[bytes], uid: int
+    ) -> ProcessInfo | None:
         try:
-            open_paren, close_paren = stat.index(b"("), stat.rindex(b")")
-            comm = _decode(stat[open_paren + 1 : close_paren])
-            rest = stat[close_paren + 2 :].split()
+            comm = _decode(stat[stat.index(b"(") + 1 : stat.rindex(b")")])
             state = rest[0].decode("ascii", "replace")
             ppid, pgid, sid = int(rest[1]), int(rest[2]), int(rest[3])
             start_ticks = int(rest[19])
         except (ValueError, IndexError):
             return None
-        try:
-            uid: int | None = os.fstat(dirfd).st_uid
-        except OSError:
-            uid = None
         known = self._lasting.get(pid)
         if known is not None and known[:2] == (start_ticks, comm):
             cmdline, owners = known[2:]
@@ -266,7 +316,7 @@ class ProcFs:
             start_ticks=start_ticks,
             start_time=boot + start_ticks / self._ticks_per_second if boot is not None else None,
             uid=uid,
-            user=self.user_name(uid) if uid is not None else "",
+            user=self.user_name(uid),
             cmdline=cmdline,
             container_id=container,
             pod_uid=pod,
@@ -297,6 +347,54 @@ def python_script(cmdline: tuple[str, ...]) -> str:
         elif not arg.startswith("-"):
             return os.path.basename(arg)
     return ""
+
+
+#: Far more than a ``stat`` line holds (some 300 bytes; comm is at most 64).
+_STAT_BYTES = 4096
+
+
+def _kept_limit() -> int:
+    """How many processes may have their files kept open: two descriptors each, an eighth of
+    the agent's descriptor limit in all, at most 512 processes."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        soft = 1024
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(0, min(512, soft // 16))
+
+
+def _is_procfs(root: str) -> bool:
+    """Whether ``root`` is a procfs mount (``/proc``, ``/host/proc``), not a copy of one."""
+    try:
+        with open("/proc/self/mountinfo", "rb") as handle:
+            table = handle.read(_MAX_FILE_BYTES)
+    except OSError:
+        return False
+    target = os.fsencode(os.path.realpath(root))
+    kind = b""
+    for line in table.splitlines():  # the last mount on a path is the one in effect
+        head, _, tail = line.partition(b" - ")
+        fields = head.split()
+        if len(fields) >= 5 and fields[4] == target and tail:
+            kind = tail.split()[0]
+    return kind == b"proc"
+
+
+class _Kept:
+    """A process's directory and ``stat``, kept open, and what they said last."""
+
+    __slots__ = ("dir_fd", "facts", "info", "stat_fd")
+
+    def __init__(self, dir_fd: int, stat_fd: int) -> None:
+        self.dir_fd, self.stat_fd = dir_fd, stat_fd
+        self.facts: tuple[object, ...] = ()
+        self.info: ProcessInfo | None = None
+
+    def close(self) -> None:
+        os.close(self.stat_fd)
+        os.close(self.dir_fd)
 
 
 def _start_ticks(stat: bytes) -> int:

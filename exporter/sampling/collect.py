@@ -222,6 +222,7 @@ class Collector:
         it."""
         if self.kubelet is not None:
             self.kubelet.close()
+        self.procfs.close()
         return self.nvml.shutdown(timeout)
 
     # -- NVML lifecycle -----------------------------------------------------------------------
@@ -397,7 +398,7 @@ class Collector:
         out = []
         for (pid, kind), used in merged.items():
             if pid not in seen:
-                seen[pid] = self.procfs.process(pid)
+                seen[pid] = self.procfs.process(pid, keep=True)
             known = seen[pid]
             usage = utilization.get(pid, UNKNOWN_UTILIZATION)
             start = known.start_ticks if known is not None else 0
