@@ -60,4 +60,4 @@ fi
 echo "test.sh: the NVML layer on nvidia-ml-py $oldest"
 PYTHONPATH=.nvml-oldest .venv/bin/python -m pytest -q -p no:cacheprovider \
     tests/test_nvml.py tests/test_fields.py tests/test_gpm.py tests/test_xid.py tests/test_collect.py \
-    tests/test_simulate.py tests/test_metrics.py tests/test_faults.py
+    tests/test_simulate.py tests/test_metrics.py tests/test_faults.py tests/test_fieldplan.py

@@ -497,3 +497,36 @@ def test_utilization_peaks_keep_the_newest_valid_samples_and_drop_garbage():
     }
     assert newest == 160  # garbage timestamps are not trusted
     assert utilization_peaks([], since=100) == ({}, 100)
+
+
+def test_field_values_read_by_plan_match_a_read_entry_by_entry(simulated, clock):
+    """After one answer decoded entry by entry, a GPU's answers are decoded by its plan
+    (core.fieldplan): the same readings as a fresh read, sample after sample, while values
+    move; an entry that fails falls back to entry by entry, with its error, and the plan is
+    made again after it."""
+    driver = simulated(
+        ONE_GPU.replace("power: 300", "power: {base: 300, amplitude: 50, period: 7s}")
+        + "    nvlink: {links: 14}\n"
+        + "    errors: [{field: power, error: Timeout, from: 2s, until: 3s}]\n"
+    )
+    nvml = Nvml(library=driver)
+    nvml.init()
+    info = nvml.read_info(0)
+    powers = set()
+    for second in range(6):
+        reading = nvml.read_gpu(info)
+        powers.add(reading.gpu.power_watts)
+        fresh = Nvml(library=driver)
+        fresh.init()
+        expected = fresh.read_gpu(fresh.read_info(0))  # its first read: entry by entry
+        assert dict(reading.gpu.fields) == dict(expected.gpu.fields), second
+        assert list(reading.gpu.fields) == list(expected.gpu.fields), second
+        assert list(reading.gpu.nvlink.pairs()) == list(expected.gpu.nvlink.pairs()), second
+        assert reading.errors == expected.errors, second
+        if second == 2:
+            assert [(e.field, e.error) for e in reading.errors] == [("power", "Timeout")]
+            assert "power" not in reading.gpu.fields
+        else:
+            assert reading.gpu.power_watts == pytest.approx(expected.gpu.power_watts)
+        clock.advance(1)
+    assert len(powers) >= 4  # the values moved: no answer was taken for the one before

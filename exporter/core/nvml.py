@@ -12,10 +12,8 @@ test alike.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -25,12 +23,12 @@ from typing import Any, NamedTuple
 import pynvml
 
 from exporter.core import fields as readings
+from exporter.core.fieldplan import VALUE_FIELDS, FieldEntry, FieldPlan, field_layout
 from exporter.core.fields import (
     FIELD_READINGS,
     FUNCTION_READINGS,
     GPM_READINGS,
     Function,
-    Reading,
 )
 from exporter.core.gpm import GpmState, metric_values, metrics_request
 from exporter.core.procfs import in_initial_pid_namespace
@@ -69,8 +67,6 @@ TEMPERATURE_THRESHOLDS = (
 #: (name, NVML's clock type) of each clock read.
 CLOCKS = (("graphics", 0), ("sm", 1), ("memory", 2), ("video", 3))
 _PSTATE_UNKNOWN = 32
-#: ``c_nvmlValue_t``'s members by ``valueType`` (``usVal``: nvidia-ml-py 13 and newer).
-_VALUE_FIELDS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
 #: A field's own return code that means "this GPU or driver has no such field": NotSupported,
 #: NoPermission, and InvalidArgument (what drivers older than the field answer for its id).
 _FIELD_UNSUPPORTED = _UNSUPPORTED | {"InvalidArgument", "FunctionNotFound"}
@@ -173,7 +169,9 @@ class NvmlProcess(NamedTuple):
 
 #: One entry of a GPU's field-value call: the reading, its link (None: the GPU's), and what
 #: the entry is remembered under when the GPU lacks it ((GPU index, key or key@link)).
-_FieldEntry = tuple[Reading, int | None, tuple[int, str]]
+_FieldEntry = FieldEntry
+#: The field-value readings with a function to read instead where the field is unsupported.
+_FALLBACK_READINGS = tuple(reading for reading in FIELD_READINGS if reading.fallback is not None)
 
 
 class XidArrival(NamedTuple):
@@ -272,6 +270,8 @@ class Nvml:
         self._event_devices: dict[int, str] = {}
         #: GPU index -> (its static facts, gaps known, the field values to ask for).
         self._requests: dict[int, tuple[GpuInfo, int, list[_FieldEntry], list[Any]]] = {}
+        #: GPU index -> how its field-value answers decode (core.fieldplan).
+        self._field_plans: dict[int, FieldPlan] = {}
         #: (GPU index, MIG GPU instance or None) -> its GPM samples, request and backoff.
         self._gpm: dict[tuple[int, int | None], GpmState] = {}
         #: (GPU index, MIG device UUID) -> (GPU instance, compute instance, profile).
@@ -305,7 +305,7 @@ class Nvml:
         item = values[0]
         if item.nvmlReturn != 0:
             raise self._lib.NVMLError(item.nvmlReturn)
-        return getattr(item.value, _VALUE_FIELDS[item.valueType])
+        return getattr(item.value, VALUE_FIELDS[item.valueType])
 
     def _read(self, index: int, name: str, errors: list[SampleError], *calls: Call) -> Any:
         """The first of ``calls`` the driver has, converted; None when absent or failed."""
@@ -364,6 +364,7 @@ class Nvml:
         self._idle.clear()
         self._event_devices.clear()
         self._requests.clear()
+        self._field_plans.clear()
         self._gpm.clear()  # the samples went with the previous initialisation
         self._mig_static.clear()
         try:
@@ -708,7 +709,7 @@ class Nvml:
             ),
             clock_event_reasons=int(reasons) if reasons is not None else None,
             fields=Readings(values),
-            nvlink=LinkReadings(links),
+            nvlink=links if isinstance(links, LinkReadings) else LinkReadings(links),
             slow_read_at=slow_at,
             mig_devices=mig_devices,
         )
@@ -859,13 +860,14 @@ class Nvml:
 
     def _read_field_values(
         self, info: GpuInfo, handle: Any, errors: list[SampleError]
-    ) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
+    ) -> tuple[dict[str, float], LinkReadings | dict[int, dict[str, float]]]:
         """Every field-value reading of the GPU in one ``nvmlDeviceGetFieldValues`` call, each
         entry with its own return code; then the fallbacks of the unsupported ones."""
         index = info.index
         entries, requests = self._field_requests(info)
         values: dict[str, float] = {}
-        links: dict[int, dict[str, float]] = {}
+        linked: dict[int, dict[str, float]] = {}
+        links: LinkReadings | dict[int, dict[str, float]] = linked
         answer = None
         if requests:
             answer = self._read(
@@ -874,11 +876,13 @@ class Nvml:
                 errors,
                 Call("nvmlDeviceGetFieldValues", (handle, requests)),
             )
-        if answer is not None:
+        planned = self._planned(index, entries, answer) if answer is not None else None
+        if planned is not None:
+            values, links = planned
+        elif answer is not None:
             supported = self._supported
-            for (reading, link, gap), (code, number) in zip(
-                entries, self._field_entries(answer), strict=False
-            ):
+            decoded_entries = self._field_entries(answer)
+            for (reading, link, gap), (code, number) in zip(entries, decoded_entries, strict=False):
                 if code == 0 and number is not None:  # the common case, inline: 1000s a sample
                     supported.add(gap)
                     value = number
@@ -893,8 +897,9 @@ class Nvml:
                 if link is None:
                     values[reading.key] = value
                 else:
-                    links.setdefault(link, {})[reading.key] = value
-        for reading in FIELD_READINGS:
+                    linked.setdefault(link, {})[reading.key] = value
+            self._plan_fields(index, entries, answer, decoded_entries)
+        for reading in _FALLBACK_READINGS:
             fallback = reading.fallback
             unsupported = (index, reading.key) in self._unsupported or (
                 index,
@@ -905,6 +910,42 @@ class Nvml:
                 if value is not None:
                     values[reading.key] = _item(value, fallback.item) * reading.scale
         return values, links
+
+    def _planned(
+        self, index: int, entries: list[_FieldEntry], answer: Any
+    ) -> tuple[dict[str, float], LinkReadings] | None:
+        """The readings of ``answer`` by the GPU's plan; None: no plan for ``entries`` yet, or
+        an answer the plan does not fit (decoded entry by entry then)."""
+        plan = self._field_plans.get(index)
+        if plan is None or plan.entries is not entries:
+            return None
+        try:
+            raw = memoryview(answer).cast("B")
+        except TypeError:  # not a ctypes array
+            return None
+        return plan.decode(raw)
+
+    def _plan_fields(
+        self,
+        index: int,
+        entries: list[_FieldEntry],
+        answer: Any,
+        decoded: list[tuple[int, float | None]],
+    ) -> None:
+        """Make the GPU's plan from an answer decoded entry by entry, when it had no error and
+        every value of a known type (else the next answer is decoded entry by entry too)."""
+        if len(decoded) != len(entries) or any(
+            code != 0 or number is None for code, number in decoded
+        ):
+            return
+        try:
+            raw = memoryview(answer).cast("B")
+        except TypeError:
+            return
+        size, head_at, head, value_at, decoders = field_layout(self._lib.c_nvmlFieldValue_t)
+        types = [head.unpack_from(raw, base + head_at)[0] for base in range(0, len(raw), size)]
+        formats = {kind: decoder.format.lstrip("=") for kind, decoder in decoders.items()}
+        self._field_plans[index] = FieldPlan(entries, types, (size, head_at, value_at), formats)
 
     def _field_requests(self, info: GpuInfo) -> tuple[list[_FieldEntry], list[Any]]:
         """The field values to ask the GPU for: (reading, link, its key among the gaps) of
@@ -939,7 +980,7 @@ class Nvml:
         array's memory at the offsets pynvml's ``c_nvmlFieldValue_t`` declares (attribute access
         through pynvml's structure classes costs a Python call per member; an answer holds a
         hundred entries and more). The value is None when its type is unknown."""
-        layout = _field_layout(self._lib.c_nvmlFieldValue_t)
+        layout = field_layout(self._lib.c_nvmlFieldValue_t)
         try:
             raw = memoryview(answer).cast("B")
         except TypeError:  # not a ctypes array: one entry at a time
@@ -1198,31 +1239,10 @@ class Nvml:
         return seen
 
 
-#: ``c_nvmlValue_t``'s members by ``valueType``, as struct formats (native sizes and order).
-_VALUE_FORMATS = {0: "=d", 1: "=I", 2: "=L", 3: "=Q", 4: "=q", 5: "=i", 6: "=H"}
-
-
-@functools.cache
-def _field_layout(cls: Any) -> tuple[int, int, struct.Struct, int, dict[int, struct.Struct]]:
-    """Size of one ``c_nvmlFieldValue_t``, the offset of its (valueType, nvmlReturn) pair and a
-    Struct for it, the value's offset, and the value's Struct by value type: from the ctypes
-    class itself."""
-    kind, code, value = cls.valueType, cls.nvmlReturn, cls.value
-    if code.offset != kind.offset + kind.size or kind.size != 4 or code.size != 4:
-        raise ValueError("unexpected c_nvmlFieldValue_t layout")
-    members = {name for name, _ in cls._fields_[-1][1]._fields_}
-    decoders = {
-        number: struct.Struct(fmt)
-        for number, fmt in _VALUE_FORMATS.items()
-        if _VALUE_FIELDS[number] in members
-    }
-    return ctypes.sizeof(cls), kind.offset, struct.Struct("=II"), value.offset, decoders
-
-
 def _field_item(item: Any) -> tuple[int, float | None]:
     """(return code, value) of one ``c_nvmlFieldValue_t``, member by member."""
     kind = int(item.valueType)
-    name = _VALUE_FIELDS[kind] if 0 <= kind < len(_VALUE_FIELDS) else ""
+    name = VALUE_FIELDS[kind] if 0 <= kind < len(VALUE_FIELDS) else ""
     value = getattr(item.value, name, None) if name else None
     return int(item.nvmlReturn), None if value is None else float(value)
 

@@ -64,6 +64,15 @@ class Readings(Mapping[Any, float]):
         self._keys, self._index = _layout(tuple(pairs))
         self._values = array("d", pairs.values())
 
+    @classmethod
+    def of(cls, keys: tuple[Any, ...], values: Iterable[float]) -> Readings:
+        """The readings of ``keys`` (distinct) and ``values``, in that order, made without a
+        dict: the sampler's way, every sample."""
+        self = cls.__new__(cls)
+        self._keys, self._index = _layout(keys)
+        self._values = array("d", values)
+        return self
+
     def __getitem__(self, key: Any) -> float:
         return self._values[self._index[key]]
 
@@ -95,6 +104,17 @@ class LinkReadings(Mapping[int, Mapping[str, float]]):
         self._flat = Readings(
             ((link, key), value) for link in self._links for key, value in links[link].items()
         )
+
+    @classmethod
+    def of(
+        cls, keys: tuple[tuple[int, str], ...], values: Iterable[float], links: tuple[int, ...]
+    ) -> LinkReadings:
+        """The readings of ``keys`` ((link, key), link by link in ascending order) and
+        ``values``; ``links``: the links of ``keys``, each once, in that order."""
+        self = cls.__new__(cls)
+        self._links = links
+        self._flat = Readings.of(keys, values)
+        return self
 
     def value(self, link: int, key: str) -> float | None:
         """The reading ``key`` of ``link``; None when it has none."""
