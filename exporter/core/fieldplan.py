@@ -27,7 +27,7 @@ VALUE_FIELDS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
 FieldEntry = tuple[Reading, int | None, tuple[int, str]]
 
 
-def _gather(positions: Sequence[int]) -> Callable[[Sequence[float]], Sequence[float]]:
+def gatherer(positions: Sequence[int]) -> Callable[[Sequence[float]], Sequence[float]]:
     """``values -> values at positions``, as a tuple whatever the count."""
     if len(positions) == 1:
         only = positions[0]
@@ -44,7 +44,7 @@ class _Part:
     __slots__ = ("equals", "gather", "keys", "scales")
 
     def __init__(self, positions: list[int], keys: list[Any], readings: list[Reading]) -> None:
-        self.gather = _gather(positions)
+        self.gather = gatherer(positions)
         self.keys = tuple(keys)
         self.scales = tuple(reading.scale for reading in readings)
         self.equals = tuple(

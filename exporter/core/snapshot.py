@@ -11,7 +11,7 @@ import functools
 import types
 import typing
 from array import array
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -89,6 +89,11 @@ class Readings(Mapping[Any, float]):
         """(key, value) of each reading, faster than ``items()``."""
         return zip(self._keys, self._values, strict=True)
 
+    def columns(self) -> tuple[tuple[Any, ...], Sequence[float]]:
+        """The keys and the values, in the same order (the keys' tuple is the same object for
+        every map with these keys: it can key a cache)."""
+        return self._keys, self._values
+
     def __repr__(self) -> str:
         return f"Readings({dict(self)!r})"
 
@@ -134,6 +139,10 @@ class LinkReadings(Mapping[int, Mapping[str, float]]):
     def pairs(self) -> Iterator[tuple[tuple[int, str], float]]:
         """((link, key), value) of each reading, link by link."""
         return self._flat.pairs()
+
+    def columns(self) -> tuple[tuple[tuple[int, str], ...], Sequence[float]]:
+        """The (link, key) pairs and the values, as :meth:`Readings.columns`."""
+        return self._flat.columns()
 
     def __repr__(self) -> str:
         return f"LinkReadings({dict(self.items())!r})"

@@ -14,6 +14,7 @@ import math
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from prometheus_client.core import Metric
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
@@ -21,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.process_collector import ProcessCollector
 
 from exporter import __version__
+from exporter.core.fieldplan import gatherer
 from exporter.core.fields import GPM_READINGS, READINGS
 from exporter.core.snapshot import Gpu, GpuProcess, LinkReadings, Readings, Snapshot
 from exporter.core.xid import describe_xid
@@ -334,53 +336,84 @@ _PROCESS_UTILIZATIONS: tuple[tuple[str, str, Callable[[GpuProcess], float | None
 def reading_families(gpus: list[Gpu]) -> list[Rows]:
     """One family per metric of ``core.fields``' table, in its order: each GPU's value of every
     reading of the family (per link for NVLink readings); a reading the GPU lacks has none."""
-    families: dict[str, Rows] = {}
-    route: dict[str, tuple[Rows, tuple[str, ...]]] = {}  # reading key -> family, fixed labels
+    families = [Rows(name, doc, kind, labels) for name, doc, kind, labels in _READING_FAMILIES]
+    rows = [family.rows for family in families]
+    for gpu in gpus:
+        static = _columns(gpu.info.fields if gpu.info is not None else {})
+        fields, links = _columns(gpu.fields), _columns(gpu.nvlink)
+        values = (*static[1], *fields[1], *links[1])
+        for family_at, labels, gather in _route(gpu, static[0], fields[0], links[0]):
+            rows[family_at].extend(zip(labels, gather(values), strict=True))
+    return families
+
+
+def _reading_routes() -> tuple[
+    list[tuple[str, str, str, list[str]]], dict[str, tuple[int, tuple[str, ...]]]
+]:
+    """The families of ``core.fields``' table, in its order (name, help, kind, label names),
+    and each reading's (its family's position, its fixed label values)."""
+    families: list[tuple[str, str, str, list[str]]] = []
+    at: dict[str, int] = {}
+    routes: dict[str, tuple[int, tuple[str, ...]]] = {}
     for reading in READINGS:
-        family = families.get(reading.family)
-        if family is None:
+        if reading.family not in at:
             labels = [*GPU_LABELS, *(["link"] if reading.per_link else [])]
             labels += [name for name, _ in reading.labels]
-            families[reading.family] = family = Rows(
-                reading.family, reading.help, reading.kind, labels
-            )
-        route[reading.key] = (family, tuple(value for _, value in reading.labels))
-    known = _LABEL_VALUES
-    if len(known) > 50_000:  # GPUs that came and went
-        known.clear()
-    for gpu in gpus:
-        index, uuid = str(gpu.index), gpu.uuid
-        static = gpu.info.fields if gpu.info is not None else {}
-        for key, value in (*_pairs(static), *_pairs(gpu.fields)):
-            found = route.get(key)
-            if found is not None:
-                at: tuple[str, str, str, int | None] = (key, index, uuid, None)
-                values = known.get(at) or known.setdefault(at, (index, uuid, *found[1]))
-                found[0].add(values, value)
-        for (link, key), value in _link_pairs(gpu.nvlink):
-            found = route.get(key)
-            if found is not None:
-                at = (key, index, uuid, link)
-                values = known.get(at) or known.setdefault(at, (index, uuid, str(link), *found[1]))
-                found[0].add(values, value)
-    return list(families.values())
+            at[reading.family] = len(families)
+            families.append((reading.family, reading.help, reading.kind, labels))
+        routes[reading.key] = (at[reading.family], tuple(value for _, value in reading.labels))
+    return families, routes
 
 
-#: (reading key, GPU index, UUID, link) -> the series' label values: the same tuple sample after
-#: sample (fewer objects made per sample, and rows that compare equal at once).
-_LABEL_VALUES: dict[tuple[str, str, str, int | None], tuple[str, ...]] = {}
+_READING_FAMILIES, _READING_ROUTES = _reading_routes()
+
+#: How one GPU's readings go to the families: (family position, the series' label values,
+#: the values' positions in the GPU's static, sampled and per-link readings one after the
+#: other). Made again when the GPU's keys change.
+_Route = list[tuple[int, tuple[tuple[str, ...], ...], Callable[[Sequence[float]], Sequence[float]]]]
+#: (GPU index, UUID) -> (the key tuples a route was made for, the route)
+_ROUTES: dict[tuple[int, str], tuple[tuple[tuple[Any, ...], ...], _Route]] = {}
 
 
-def _pairs(values: Mapping[str, float]) -> Iterable[tuple[str, float]]:
-    return values.pairs() if isinstance(values, Readings) else values.items()
+def _route(
+    gpu: Gpu, static: tuple[str, ...], fields: tuple[str, ...], links: tuple[Any, ...]
+) -> _Route:
+    """The GPU's route for these keys: the one made last time when they are the same tuples."""
+    made = _ROUTES.get((gpu.index, gpu.uuid))
+    if made is not None and all(
+        a is b for a, b in zip(made[0], (static, fields, links), strict=True)
+    ):
+        return made[1]
+    index, uuid = str(gpu.index), gpu.uuid
+    series: dict[int, tuple[list[int], list[tuple[str, ...]]]] = {}
+    keys = [(key, None) for key in (*static, *fields)] + [(key, link) for link, key in links]
+    for position, (key, link) in enumerate(keys):
+        found = _READING_ROUTES.get(key)
+        if found is None:
+            continue
+        family_at, fixed = found
+        positions, labels = series.setdefault(family_at, ([], []))
+        positions.append(position)
+        link_label = () if link is None else (str(link),)
+        labels.append((index, uuid, *link_label, *fixed))
+    route = [
+        (family_at, tuple(labels), gatherer(positions))
+        for family_at, (positions, labels) in sorted(series.items())
+    ]
+    if len(_ROUTES) > 4096:  # GPUs that came and went
+        _ROUTES.clear()
+    _ROUTES[(gpu.index, gpu.uuid)] = ((static, fields, links), route)
+    return route
 
 
-def _link_pairs(
-    links: Mapping[int, Mapping[str, float]],
-) -> Iterable[tuple[tuple[int, str], float]]:
-    if isinstance(links, LinkReadings):
-        return links.pairs()
-    return (((link, key), v) for link, values in links.items() for key, v in values.items())
+def _columns(values: Mapping[Any, Any]) -> tuple[tuple[Any, ...], Sequence[float]]:
+    """(keys, values) of a GPU's readings: Readings' own (shared key tuples), else made."""
+    if isinstance(values, (Readings, LinkReadings)):
+        return values.columns()
+    if values and isinstance(next(iter(values.values())), Mapping):  # per link, as a dict
+        pairs = [((link, key), v) for link, inner in values.items() for key, v in inner.items()]
+        return tuple(k for k, _ in pairs), [v for _, v in pairs]
+    return tuple(values), list(values.values())
 
 
 def xid_families(gpus: Iterable[Gpu]) -> list[Family]:
