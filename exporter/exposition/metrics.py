@@ -291,36 +291,37 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
         *mig_families(live),
         _owners(live),
         *_allocations(live),
-        _per_process(
+        *_per_process(
             live,
-            gauge(
-                "gpu_process_memory_used_bytes",
-                "GPU memory used by one process on one GPU.",
-                PROCESS_LABELS,
-            ),
-            lambda p: p.used_memory_bytes,
-        ),
-        _per_process(
-            live,
-            gauge(
-                "gpu_process_sm_utilization_ratio",
-                "Highest SM utilization of one process on one GPU since the previous sample (0-1).",
-                PROCESS_LABELS,
-            ),
-            lambda p: p.sm_utilization_ratio,
-        ),
-        *(
-            _per_process(
-                live,
+            (
                 gauge(
-                    f"gpu_process_{name}_utilization_ratio",
-                    f"Highest {what} utilization of one process on one GPU since the previous "
-                    "sample (0-1).",
+                    "gpu_process_memory_used_bytes",
+                    "GPU memory used by one process on one GPU.",
                     PROCESS_LABELS,
                 ),
-                value,
-            )
-            for name, what, value in _PROCESS_UTILIZATIONS
+                lambda p: p.used_memory_bytes,
+            ),
+            (
+                gauge(
+                    "gpu_process_sm_utilization_ratio",
+                    "Highest SM utilization of one process on one GPU since the previous sample "
+                    "(0-1).",
+                    PROCESS_LABELS,
+                ),
+                lambda p: p.sm_utilization_ratio,
+            ),
+            *(
+                (
+                    gauge(
+                        f"gpu_process_{name}_utilization_ratio",
+                        f"Highest {what} utilization of one process on one GPU since the previous "
+                        "sample (0-1).",
+                        PROCESS_LABELS,
+                    ),
+                    value,
+                )
+                for name, what, value in _PROCESS_UTILIZATIONS
+            ),
         ),
     ]
 
@@ -536,18 +537,20 @@ def mig_families(gpus: Iterable[Gpu]) -> list[Family]:
 
 
 def _per_process(
-    gpus: list[Gpu], family: Family, value: Callable[[GpuProcess], float | None]
-) -> Family:
-    """One series per process (and type) on each GPU; a process whose value is None has none."""
+    gpus: list[Gpu], *families: tuple[Family, Callable[[GpuProcess], float | None]]
+) -> list[Family]:
+    """One series per process (and type) on each GPU in each of ``families`` (a family and the
+    process's value in it); a process whose value is None has none. A process's label values
+    are one tuple, shared by its series."""
     for gpu in gpus:
+        index = str(gpu.index)
         for proc in gpu.processes or ():
-            number = value(proc)
-            if number is not None:
-                family.add_metric(
-                    [str(gpu.index), gpu.uuid, str(proc.pid), proc.user, proc.name, proc.type],
-                    number,
-                )
-    return family
+            labels = (index, gpu.uuid, str(proc.pid), proc.user, proc.name, proc.type)
+            for family, value in families:
+                number = value(proc)
+                if number is not None:
+                    family.add(labels, number)
+    return [family for family, _ in families]
 
 
 def self_families(snapshot: Snapshot, stats: SelfStats) -> list[AnyFamily]:
