@@ -18,6 +18,7 @@ import struct
 import threading
 import time
 import types
+from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, NoReturn
@@ -174,6 +175,16 @@ def _pay(latency: float) -> None:
         until = time.perf_counter() + latency
         while time.perf_counter() < until:
             pass
+
+
+def _filled(out: Any, **members: Any) -> Any:
+    """``out`` with ``members`` set as the driver's C sets them: through ctypes' own member
+    descriptors (pynvml's structures pass every attribute through a Python ``__setattr__``,
+    which would be this process's cost, not a driver's)."""
+    cls = type(out)
+    for name, value in members.items():
+        getattr(cls, name).__set__(out, value)
+    return out
 
 
 def _raise(name: str) -> NoReturn:
@@ -469,22 +480,27 @@ class SimulatedDriver:
             gpu = h.gpu
             used = at(gpu.memory_used) + sum(m for _, m in self._live_processes(h))
             used = int(min(max(used, 0), gpu.memory_total - gpu.memory_reserved))
+            total, free = gpu.memory_total, gpu.memory_total - gpu.memory_reserved - used
             if version:
-                out = pynvml.c_nvmlMemory_v2_t()
-                out.version, out.reserved = version, gpu.memory_reserved
-                out.used = used
-            else:  # v1 counts reserved memory as used
-                out = pynvml.c_nvmlMemory_t()
-                out.used = used + gpu.memory_reserved
-            out.total = gpu.memory_total
-            out.free = gpu.memory_total - gpu.memory_reserved - used
-            return out
+                return _filled(
+                    pynvml.c_nvmlMemory_v2_t(),
+                    version=version,
+                    reserved=gpu.memory_reserved,
+                    used=used,
+                    total=total,
+                    free=free,
+                )
+            # v1 counts reserved memory as used
+            return _filled(
+                pynvml.c_nvmlMemory_t(), used=used + gpu.memory_reserved, total=total, free=free
+            )
 
         def utilization(h: _Handle) -> Any:
-            out = pynvml.c_nvmlUtilization_t()
-            out.gpu = _percent(at(h.gpu.utilization))
-            out.memory = _percent(at(h.gpu.memory_utilization))
-            return out
+            return _filled(
+                pynvml.c_nvmlUtilization_t(),
+                gpu=_percent(at(h.gpu.utilization)),
+                memory=_percent(at(h.gpu.memory_utilization)),
+            )
 
         def temperature(h: _Handle, sensor: int, version: int | None = None) -> int:
             return round(at(h.gpu.temperature))
@@ -498,8 +514,11 @@ class SimulatedDriver:
             raw = memoryview(values).cast("B")
             stamp = self._epoch_us + round(self.now() * 1e6)
             size, stamp_at = _FIELD_OFFSETS[0], _FIELD_OFFSETS[2]
-            for base in range(stamp_at, len(plan.template), size):
-                _INT64.pack_into(raw, base, stamp)
+            if size % 8 == 0 and stamp_at % 8 == 0:  # every entry's timestamp in one copy
+                raw.cast("q")[stamp_at // 8 :: size // 8] = array("q", (stamp,)) * len(ids)
+            else:
+                for base in range(stamp_at, len(plan.template), size):
+                    _INT64.pack_into(raw, base, stamp)
             for base, answer in plan.changing:
                 _pack_entry(raw, base, *answer())
             return values
@@ -933,6 +952,8 @@ class SimulatedDriver:
         value = values.get(reading.key)
         if value is None:
             return reading.simulated / reading.scale
+        if value.constant:
+            return value.base / reading.scale
         points = [t1 + (t2 - t1) * k / _GPM_POINTS for k in range(_GPM_POINTS + 1)]
         return sum(value.at(t) for t in points) / len(points) / reading.scale
 
@@ -991,10 +1012,16 @@ class SimulatedDriver:
                     busiest[pid] = (top, max(last, m))
         samples = []
         for pid, (top, last) in busiest.items():
-            sample = kind()
-            sample.pid = pid + self.scenario.utilization_pid_offset
-            sample.smUtil, sample.memUtil, sample.encUtil, sample.decUtil = top
-            sample.timeStamp = self._epoch_us + round(last * 1e6)
+            sm, memory, encoder, decoder = top
+            sample = _filled(
+                kind(),
+                pid=pid + self.scenario.utilization_pid_offset,
+                smUtil=sm,
+                memUtil=memory,
+                encUtil=encoder,
+                decUtil=decoder,
+                timeStamp=self._epoch_us + round(last * 1e6),
+            )
             samples.append(sample)
         return samples
 
