@@ -195,6 +195,20 @@ def test_the_request_is_pynvmls_structure_within_its_array():
         assert getattr(pynvml, reading.source.constant, reading.source.id) == reading.source.id
 
 
+def test_results_are_read_from_pynvmls_own_structure():
+    request, asked = metrics_request(pynvml, GPM_READINGS)
+    for i, reading in enumerate(asked):
+        request.metrics[i].value = 10.0 + i
+    last = len(asked) - 1
+    request.metrics[last].nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+    values, failed = metric_values(request, asked)
+    assert failed == {asked[last].key: pynvml.NVML_ERROR_NOT_SUPPORTED}
+    assert values == {
+        reading.key: pytest.approx((10.0 + i) * reading.scale)
+        for i, reading in enumerate(asked[:last])
+    }
+
+
 def test_a_smaller_array_asks_only_what_it_holds():
     class Metric(ctypes.Structure):
         _fields_ = pynvml.c_nvmlGpmMetric_t._fields_

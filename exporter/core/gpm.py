@@ -18,6 +18,8 @@ every sample.
 
 from __future__ import annotations
 
+import ctypes
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,12 +83,51 @@ def metric_values(
     request: Any, asked: Sequence[Reading]
 ) -> tuple[dict[str, float], dict[str, int]]:
     """The values (base units) of a filled request by reading key, and the NVML return code of
-    each metric that has none."""
+    each metric that has none.
+
+    Read from the request's memory at the offsets pynvml's structures declare (each member
+    through pynvml's classes is a Python call, a dozen metrics a GPU every sample); a request
+    that is not a ctypes structure is read member by member."""
     values: dict[str, float] = {}
     failed: dict[str, int] = {}
-    for slot, reading in zip(request.metrics, asked, strict=False):
-        if slot.nvmlReturn:
-            failed[reading.key] = int(slot.nvmlReturn)
+    try:
+        raw = memoryview(request).cast("B")
+    except TypeError:
+        pairs = [(int(slot.nvmlReturn), float(slot.value)) for slot in request.metrics]
+    else:
+        layout = _results_layout(type(request), min(len(asked), len(request.metrics)))
+        flat = layout.unpack_from(raw)
+        pairs = list(zip(flat[0::2], flat[1::2], strict=True))
+    for (code, value), reading in zip(pairs, asked, strict=False):
+        if code:
+            failed[reading.key] = int(code)
         else:
-            values[reading.key] = float(slot.value) * reading.scale
+            values[reading.key] = value * reading.scale
     return values, failed
+
+
+def _results_layout(cls: Any, count: int) -> struct.Struct:
+    """A Struct of the (nvmlReturn, value) pairs of the first ``count`` metrics of a
+    ``c_nvmlGpmMetricsGet_t``-like class, from its ctypes layout."""
+    made = _LAYOUTS.get((cls, count))
+    if made is not None:
+        return made
+    metrics = cls.metrics  # the ctypes field: its offset
+    element = dict(cls._fields_)["metrics"]._type_
+    if element.nvmlReturn.size != 4 or element.value.size != 8:
+        raise ValueError("unexpected c_nvmlGpmMetric_t layout")
+    fmt, at = "=", 0
+    for i in range(count):
+        start = metrics.offset + i * ctypes.sizeof(element)
+        for offset, kind, size in (
+            (start + element.nvmlReturn.offset, "I", 4),
+            (start + element.value.offset, "d", 8),
+        ):
+            fmt += f"{offset - at}x{kind}" if offset > at else kind
+            at = offset + size
+    _LAYOUTS[(cls, count)] = made = struct.Struct(fmt)
+    return made
+
+
+#: (request class, metrics asked) -> the Struct of their results
+_LAYOUTS: dict[tuple[Any, int], struct.Struct] = {}
