@@ -19,13 +19,13 @@ from typing import Any
 from prometheus_client.core import Metric
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.process_collector import ProcessCollector
 
 from exporter import __version__
 from exporter.core.fieldplan import gatherer
 from exporter.core.fields import GPM_READINGS, READINGS
 from exporter.core.snapshot import Gpu, GpuProcess, LinkReadings, Readings, Snapshot
 from exporter.core.xid import describe_xid
+from exporter.exposition.selfprocess import SelfProcess
 from exporter.exposition.text import Family as Rows
 from exporter.exposition.text import has_samples, render_text
 from exporter.sampling.stats import SelfStats
@@ -593,14 +593,14 @@ def self_families(snapshot: Snapshot, stats: SelfStats) -> list[AnyFamily]:
     return [build, nvml_up, duration, last, interval, calls, samples, deadline, errors]
 
 
-#: prometheus_client's ``process_*`` families of this process (from /proc/self; none elsewhere).
-_PROCESS = ProcessCollector(registry=None)
+#: The ``process_*`` families of this process (from /proc/self; none elsewhere).
+_PROCESS = SelfProcess()
 
 
-def process_families() -> list[Metric]:
+def process_families() -> list[Rows]:
     """``process_resident_memory_bytes``, ``process_cpu_seconds_total``, ``process_open_fds``
-    and the rest of prometheus_client's process collector, read now."""
-    return list(_PROCESS.collect())
+    and the rest of prometheus_client's process collector's families, read now."""
+    return _PROCESS.families()
 
 
 def render(snapshot: Snapshot, stats: SelfStats) -> Exposition:
