@@ -941,8 +941,8 @@ class SimulatedDriver:
                 if reading is not None
                 else int(pynvml.NVML_ERROR_NOT_SUPPORTED)
             )
-            slot.nvmlReturn = code
-            slot.value = 0.0 if code or reading is None else self._gpm_mean(values, reading, t1, t2)
+            mean = 0.0 if code or reading is None else self._gpm_mean(values, reading, t1, t2)
+            _filled(slot, nvmlReturn=code, value=mean)
         return request
 
     def _gpm_mean(
@@ -1001,11 +1001,14 @@ class SimulatedDriver:
                 proc.decoder_utilization,
             )
             held = [m for m in moments if proc.window.holds(m)]
-            if held and all(value.constant for value in values):  # the same at every moment
-                percents = [_percent(value.base) for value in values]
-                held = held[-1:] if any(percents) else []
+            fixed = [_percent(value.base) if value.constant else None for value in values]
+            if held and None not in fixed:  # the same at every moment
+                held = held[-1:] if any(fixed) else []
             for m in held:
-                percents = [_percent(value.at(m)) for value in values]
+                percents = [
+                    _percent(value.at(m)) if known is None else known
+                    for value, known in zip(values, fixed, strict=True)
+                ]
                 if any(percents):
                     top, last = busiest.get(pid, ([0, 0, 0, 0], m))
                     top = [max(a, b) for a, b in zip(top, percents, strict=True)]
