@@ -123,7 +123,7 @@ def _per_gpu(gpus: Iterable[Gpu], family: Family, value: Callable[[Gpu], float |
     for gpu in gpus:
         number = value(gpu)
         if number is not None and not math.isnan(number):
-            family.add_metric([str(gpu.index), gpu.uuid], number)
+            family.add(_gpu_labels(gpu.index, gpu.uuid), number)
     return family
 
 
@@ -133,8 +133,24 @@ def _per_gpu_by(
     """One series per GPU and extra label value (clock, threshold, reason, type)."""
     for gpu in gpus:
         for label, value in values(gpu):
-            family.add_metric([str(gpu.index), gpu.uuid, label], value)
+            family.add(_gpu_labels(gpu.index, gpu.uuid, label), value)
     return family
+
+
+def _gpu_labels(index: int, uuid: str, extra: str | None = None) -> tuple[str, ...]:
+    """A GPU series' label values: the same tuple sample after sample, so that rows compare
+    equal at once (by identity) and the text of unchanged families is reused cheaply."""
+    key = (index, uuid, extra)
+    found = _GPU_LABELS.get(key)
+    if found is None:
+        if len(_GPU_LABELS) > 65_536:  # GPUs that came and went
+            _GPU_LABELS.clear()
+        found = (str(index), uuid) if extra is None else (str(index), uuid, extra)
+        _GPU_LABELS[key] = found
+    return found
+
+
+_GPU_LABELS: dict[tuple[int, str, str | None], tuple[str, ...]] = {}
 
 
 def _static(gpu: Gpu, attr: str) -> float | None:
