@@ -197,7 +197,7 @@ def test_the_request_is_pynvmls_structure_within_its_array():
 
 def test_results_are_read_from_pynvmls_own_structure():
     request, asked = metrics_request(pynvml, GPM_READINGS)
-    for i, reading in enumerate(asked):
+    for i in range(len(asked)):
         request.metrics[i].value = 10.0 + i
     last = len(asked) - 1
     request.metrics[last].nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
