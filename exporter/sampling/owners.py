@@ -189,7 +189,9 @@ def _with_owners(
     if not gpu.processes:
         return replace(gpu, allocations_known=known) if known else gpu
     processes = []
-    for process in gpu.processes:
+    changed = known != gpu.allocations_known
+    for original in gpu.processes:
+        process = original
         pod = uids.get(process.pod_uid) if process.pod_uid else None
         if pod is not None:
             container = containers.get(process.container_id)
@@ -202,8 +204,12 @@ def _with_owners(
             )
         if known:
             outside = _outside(gpu, process, pod, given, named)
-            process = replace(process, outside_allocation=outside)
+            if outside != process.outside_allocation:
+                process = replace(process, outside_allocation=outside)
+        changed = changed or process is not original
         processes.append(process)
+    if not changed:  # the common case: nothing to name (one Gpu less made each sample)
+        return gpu
     return replace(gpu, processes=tuple(processes), allocations_known=known)
 
 
