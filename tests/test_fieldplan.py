@@ -30,13 +30,13 @@ def _answer(*entries: tuple[int, int, float]):
     return answer
 
 
-def _plan(types):
-    size, head_at, _, value_at, decoders = field_layout(pynvml.c_nvmlFieldValue_t)
-    formats = {kind: decoder.format.lstrip("=") for kind, decoder in decoders.items()}
-    return FieldPlan(ENTRIES, types, (size, head_at, value_at), formats)
-
-
 TYPES = [DOUBLE, UNSIGNED_INT, UNSIGNED_INT, UNSIGNED_LONG_LONG, UNSIGNED_LONG_LONG]
+
+
+def _plan(types):
+    """A plan made from an answer of these value types (every entry succeeded)."""
+    made_from = _answer(*((kind, 0, 1) for kind in types))
+    return FieldPlan(ENTRIES, memoryview(made_from).cast("B"), pynvml.c_nvmlFieldValue_t)
 
 
 def test_an_answer_of_the_plans_shape_is_decoded_scaled_and_sorted_by_link():

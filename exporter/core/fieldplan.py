@@ -23,7 +23,8 @@ from exporter.core.snapshot import LinkReadings
 
 #: ``c_nvmlValue_t``'s members by ``valueType`` (``usVal``: nvidia-ml-py 13 and newer).
 VALUE_FIELDS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
-#: (reading, link or None, its key among the gaps): one requested field value
+#: One entry of a GPU's field-value call: the reading, its link (None: the GPU's), and what
+#: the entry is remembered under when the GPU lacks it ((GPU index, key or key@link)).
 FieldEntry = tuple[Reading, int | None, tuple[int, str]]
 
 
@@ -62,32 +63,24 @@ class _Part:
 
 
 class FieldPlan:
-    """How to decode the answers to one request (``entries``) of one GPU.
-
-    ``layout``: the ``c_nvmlFieldValue_t`` layout (entry size, offset of the (valueType,
-    nvmlReturn) pair, offset of the value) and ``formats``: the ``struct`` character of each
-    value type; ``types``: the value type of each entry in the answer the plan is made from.
-    """
+    """How to decode the answers to one request (``entries``) of one GPU, made from one answer
+    (``raw``: its bytes, an array of ``value_class``, pynvml's ``c_nvmlFieldValue_t``) whose
+    entries all succeeded: each entry's value type is the one it had there."""
 
     __slots__ = ("_linked", "_links", "_size", "_struct", "_types", "_values", "entries")
 
-    def __init__(
-        self,
-        entries: list[FieldEntry],
-        types: Sequence[int],
-        layout: tuple[int, int, int],
-        formats: dict[int, str],
-    ) -> None:
-        size, head_at, value_at = layout
+    def __init__(self, entries: list[FieldEntry], raw: memoryview, value_class: Any) -> None:
+        size, head_at, head, value_at, decoders = field_layout(value_class)
+        types = [head.unpack_from(raw, base + head_at)[0] for base in range(0, len(raw), size)]
         parts = []
         for kind in types:
-            value_size = struct.calcsize("=" + formats[kind])
+            decoder = decoders[kind]
             parts.append(
                 _pad(head_at)
                 + "II"
                 + _pad(value_at - head_at - 8)
-                + formats[kind]
-                + _pad(size - value_at - value_size)
+                + decoder.format.lstrip("=")
+                + _pad(size - value_at - decoder.size)
             )
         self.entries = entries
         self._struct = struct.Struct("=" + "".join(parts))

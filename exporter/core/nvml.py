@@ -167,9 +167,6 @@ class NvmlProcess(NamedTuple):
     compute_instance: int | None = None
 
 
-#: One entry of a GPU's field-value call: the reading, its link (None: the GPU's), and what
-#: the entry is remembered under when the GPU lacks it ((GPU index, key or key@link)).
-_FieldEntry = FieldEntry
 #: The field-value readings with a function to read instead where the field is unsupported.
 _FALLBACK_READINGS = tuple(reading for reading in FIELD_READINGS if reading.fallback is not None)
 
@@ -269,7 +266,7 @@ class Nvml:
         #: Event device address -> GPU UUID (an event names its GPU by handle).
         self._event_devices: dict[int, str] = {}
         #: GPU index -> (its static facts, gaps known, the field values to ask for).
-        self._requests: dict[int, tuple[GpuInfo, int, list[_FieldEntry], list[Any]]] = {}
+        self._requests: dict[int, tuple[GpuInfo, int, list[FieldEntry], list[Any]]] = {}
         #: GPU index -> how its field-value answers decode (core.fieldplan).
         self._field_plans: dict[int, FieldPlan] = {}
         #: (GPU index, MIG GPU instance or None) -> its GPM samples, request and backoff.
@@ -912,7 +909,7 @@ class Nvml:
         return values, links
 
     def _planned(
-        self, index: int, entries: list[_FieldEntry], answer: Any
+        self, index: int, entries: list[FieldEntry], answer: Any
     ) -> tuple[dict[str, float], LinkReadings] | None:
         """The readings of ``answer`` by the GPU's plan; None: no plan for ``entries`` yet, or
         an answer the plan does not fit (decoded entry by entry then)."""
@@ -928,7 +925,7 @@ class Nvml:
     def _plan_fields(
         self,
         index: int,
-        entries: list[_FieldEntry],
+        entries: list[FieldEntry],
         answer: Any,
         decoded: list[tuple[int, float | None]],
     ) -> None:
@@ -942,12 +939,9 @@ class Nvml:
             raw = memoryview(answer).cast("B")
         except TypeError:
             return
-        size, head_at, head, value_at, decoders = field_layout(self._lib.c_nvmlFieldValue_t)
-        types = [head.unpack_from(raw, base + head_at)[0] for base in range(0, len(raw), size)]
-        formats = {kind: decoder.format.lstrip("=") for kind, decoder in decoders.items()}
-        self._field_plans[index] = FieldPlan(entries, types, (size, head_at, value_at), formats)
+        self._field_plans[index] = FieldPlan(entries, raw, self._lib.c_nvmlFieldValue_t)
 
-    def _field_requests(self, info: GpuInfo) -> tuple[list[_FieldEntry], list[Any]]:
+    def _field_requests(self, info: GpuInfo) -> tuple[list[FieldEntry], list[Any]]:
         """The field values to ask the GPU for: (reading, link, its key among the gaps) of
         each, and the request itself (an id, or an (id, link) pair for a field scoped by
         link); remembered gaps left out. Made again only when a gap was found or the static
@@ -956,7 +950,7 @@ class Nvml:
         if cached is not None and cached[0] is info and cached[1] == len(self._unsupported):
             return cached[2], cached[3]
         index, gaps = info.index, self._unsupported
-        entries: list[_FieldEntry] = []
+        entries: list[FieldEntry] = []
         requests: list[Any] = []
         for reading in FIELD_READINGS:
             if reading.requires_ecc and not info.ecc_enabled:
