@@ -240,22 +240,12 @@ class ProcFs:
     def hides_processes(self) -> bool:
         """True when this procfs is mounted with ``hidepid``: a process missing from it may
         exist all the same. Read from this process's mount table; unknown counts as hiding."""
-        try:
-            with open("/proc/self/mountinfo", "rb") as handle:
-                table = handle.read(_MAX_FILE_BYTES)
-        except OSError:
+        mount = _mount_of(self.root)
+        if mount is None:
             return True
-        target = os.fsencode(os.path.realpath(self.root))
-        hides: bool | None = None
-        for line in table.splitlines():  # the last mount on a path is the one in effect
-            fields = line.split(b" - ", 1)
-            head = fields[0].split()
-            if len(head) < 5 or len(fields) < 2 or head[4] != target:
-                continue
-            options = fields[1].split()[-1].split(b",") if fields[1].split() else []
-            values = [o.split(b"=", 1)[1] for o in options if o.startswith(b"hidepid=")]
-            hides = bool(values) and values[-1] not in (b"0", b"off")
-        return True if hides is None else hides
+        options = mount[1].split(b",")
+        values = [o.split(b"=", 1)[1] for o in options if o.startswith(b"hidepid=")]
+        return bool(values) and values[-1] not in (b"0", b"off")
 
     def in_own_pid_namespace(self) -> bool:
         """True when this procfs shows the agent's own PID namespace, so a PID read here is the
@@ -367,19 +357,26 @@ def _kept_limit() -> int:
 
 def _is_procfs(root: str) -> bool:
     """Whether ``root`` is a procfs mount (``/proc``, ``/host/proc``), not a copy of one."""
+    mount = _mount_of(root)
+    return mount is not None and mount[0] == b"proc"
+
+
+def _mount_of(path: str) -> tuple[bytes, bytes] | None:
+    """(file system type, super options) of the mount on ``path`` in this process's mount
+    table (the last one on a path is the one in effect); None when none is, or unreadable."""
     try:
         with open("/proc/self/mountinfo", "rb") as handle:
             table = handle.read(_MAX_FILE_BYTES)
     except OSError:
-        return False
-    target = os.fsencode(os.path.realpath(root))
-    kind = b""
-    for line in table.splitlines():  # the last mount on a path is the one in effect
-        head, _, tail = line.partition(b" - ")
-        fields = head.split()
-        if len(fields) >= 5 and fields[4] == target and tail:
-            kind = tail.split()[0]
-    return kind == b"proc"
+        return None
+    target = os.fsencode(os.path.realpath(path))
+    found = None
+    for line in table.splitlines():
+        head, separator, tail = line.partition(b" - ")
+        fields, rest = head.split(), tail.split()
+        if len(fields) >= 5 and fields[4] == target and separator:
+            found = (rest[0] if rest else b"", rest[-1] if rest else b"")
+    return found
 
 
 class _Kept:
