@@ -122,8 +122,10 @@ def _pod_names(gpus: Iterable[Gpu]) -> tuple[dict[str, Owner], dict[str, Allocat
     seen: dict[tuple[Place, ...], tuple[set[Owner], set[str]]] = {}
     for gpu in gpus:
         for process in gpu.processes or ():
+            if not process.pod_uid:
+                continue
             pods = _pods_covering(gpu, process)
-            if process.pod_uid and pods:
+            if pods:
                 place = seen.setdefault(_places(gpu, process), (pods, set()))
                 place[1].add(process.pod_uid)
     uids: dict[str, Owner] = {}
@@ -139,7 +141,7 @@ def _pod_names(gpus: Iterable[Gpu]) -> tuple[dict[str, Owner], dict[str, Allocat
                 taken.add(pod)
                 changed = True
     containers: dict[str, set[Allocation]] = {}
-    for gpu in gpus:
+    for gpu in gpus if uids else ():
         for process in gpu.processes or ():
             owner = uids.get(process.pod_uid)
             if owner is None or not process.container_id:
