@@ -238,3 +238,36 @@ def test_process_sm_utilization_is_merged_by_pid(simulated, clock):
     assert unsupported.sm_utilization_ratio is None
     assert snap.errors == ()
     assert snap.to_dict()["gpus"][0]["processes"][0]["sm_utilization_ratio"] == 0.3
+
+
+def test_to_gpu_process_fills_every_field_by_name() -> None:
+    """to_gpu_process gives GpuProcess its fields in order: each lands where its name says."""
+    import dataclasses
+
+    from exporter.core.nvml import ProcessUtilization
+    from exporter.core.procfs import ProcessInfo
+    from exporter.core.snapshot import GpuProcess
+    from exporter.sampling.collect import to_gpu_process
+
+    info = ProcessInfo(
+        pid=7, name="trainer", state="R", ppid=11, pgid=12, sid=13, start_ticks=14,
+        start_time=15.5, uid=16, user="alice", cmdline=("python", "train.py"),
+        container_id="c0ffee", pod_uid="pod-uid", script="train.py", slurm_job="42",
+        slurm_step="3",
+    )  # fmt: skip
+    usage = ProcessUtilization(0.1, 0.2, 0.3, 0.4)
+    made = to_gpu_process(7, "compute", 1024, info, True, usage, 9.5, ("MIG-a",))
+    assert made == GpuProcess(
+        pid=7, type="compute", used_memory_bytes=1024, visible=True, name="trainer",
+        user="alice", uid=16, cmdline=("python", "train.py"), state="R", ppid=11, pgid=12,
+        sid=13, start_time=15.5, container_id="c0ffee", pod_uid="pod-uid", slurm_job="42",
+        slurm_step="3", script="train.py", sm_utilization_ratio=0.1,
+        memory_utilization_ratio=0.2, encoder_utilization_ratio=0.3,
+        decoder_utilization_ratio=0.4, mig_uuids=("MIG-a",), gpu_idle_seconds=9.5,
+    )  # fmt: skip
+    assert to_gpu_process(7, "compute", 1024, info, False, usage).cmdline == ()
+    hidden = to_gpu_process(8, "graphics", None, None, True, usage, 1.0)
+    defaults = GpuProcess(pid=8, type="graphics", used_memory_bytes=None, visible=False)
+    changed = {"sm_utilization_ratio": 0.1, "memory_utilization_ratio": 0.2}
+    changed |= {"encoder_utilization_ratio": 0.3, "decoder_utilization_ratio": 0.4}
+    assert hidden == dataclasses.replace(defaults, **changed, gpu_idle_seconds=1.0)

@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TypedDict, TypeVar
+from typing import TypeVar
 
 from exporter.core.activity import IdleTimes
 from exporter.core.jobmap import read_job_dir
@@ -418,21 +418,6 @@ class Collector:
         return tuple(out)
 
 
-class _NvmlView(TypedDict):
-    """What NVML and the sampler say of a GPU process (procfs says the rest)."""
-
-    pid: int
-    type: str
-    used_memory_bytes: int | None
-    visible: bool
-    sm_utilization_ratio: float | None
-    memory_utilization_ratio: float | None
-    encoder_utilization_ratio: float | None
-    decoder_utilization_ratio: float | None
-    gpu_idle_seconds: float | None
-    mig_uuids: tuple[str, ...]
-
-
 def to_gpu_process(
     pid: int,
     kind: str,
@@ -444,36 +429,18 @@ def to_gpu_process(
     mig_uuids: tuple[str, ...] = (),
 ) -> GpuProcess:
     """A Snapshot process from NVML's view (memory, utilization) and procfs' (None: not visible
-    under the root); its command line only when ``cmdline``. Made in one go: a sample makes one
-    per GPU process."""
-    common: _NvmlView = {
-        "pid": pid,
-        "type": kind,
-        "used_memory_bytes": used,
-        "visible": info is not None,
-        "sm_utilization_ratio": utilization.sm,
-        "memory_utilization_ratio": utilization.memory,
-        "encoder_utilization_ratio": utilization.encoder,
-        "decoder_utilization_ratio": utilization.decoder,
-        "gpu_idle_seconds": gpu_idle_seconds,
-        "mig_uuids": mig_uuids,
-    }
+    under the root); its command line only when ``cmdline``. A sample makes one per GPU
+    process: its fields are given in their order (test_to_gpu_process_fills_every_field_by_name
+    holds this to the names), which costs a third less than by keyword."""
+    sm, memory, encoder, decoder = utilization
     if info is None:
-        return GpuProcess(**common)
+        return GpuProcess(
+            pid, kind, used, False, "", "", None, (), "", None, None, None, None, "", "", "", "",
+            "", "", "", False, "", sm, memory, encoder, decoder, mig_uuids, gpu_idle_seconds,
+        )  # fmt: skip
     return GpuProcess(
-        **common,
-        name=info.name,
-        user=info.user,
-        uid=info.uid,
-        cmdline=info.cmdline if cmdline else (),
-        state=info.state,
-        ppid=info.ppid,
-        pgid=info.pgid,
-        sid=info.sid,
-        start_time=info.start_time,
-        container_id=info.container_id,
-        pod_uid=info.pod_uid,
-        script=info.script,
-        slurm_job=info.slurm_job,
-        slurm_step=info.slurm_step,
-    )
+        pid, kind, used, True, info.name, info.user, info.uid,
+        info.cmdline if cmdline else (), info.state, info.ppid, info.pgid, info.sid,
+        info.start_time, info.container_id, info.pod_uid, info.slurm_job, info.slurm_step,
+        "", "", "", False, info.script, sm, memory, encoder, decoder, mig_uuids, gpu_idle_seconds,
+    )  # fmt: skip
