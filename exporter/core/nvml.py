@@ -199,7 +199,10 @@ class GpuReading:
 
 def _instance(value: Any) -> int | None:
     """A MIG instance id of a process entry; None for NVML's "none" (0xFFFFFFFF)."""
-    return None if value is None or int(value) == _NO_INSTANCE else int(value)
+    if value is None or value == _NO_INSTANCE:
+        return None
+    number = int(value)
+    return None if number == _NO_INSTANCE else number
 
 
 def _text(value: Any) -> str:
@@ -1172,8 +1175,9 @@ class Nvml:
                         int(proc.pid),
                         int(used) if used is not None else None,
                         kind,
-                        gpu_instance=_instance(getattr(proc, "gpuInstanceId", None)),
-                        compute_instance=_instance(getattr(proc, "computeInstanceId", None)),
+                        UNKNOWN_UTILIZATION,
+                        _instance(getattr(proc, "gpuInstanceId", None)),
+                        _instance(getattr(proc, "computeInstanceId", None)),
                     )
                 )
         if len(errors) > failed_before:  # one list failed: the other alone would be short
@@ -1217,7 +1221,10 @@ class Nvml:
         absent = IDLE
         if not self._initial_pid_namespace and set(peaks) - {p.pid for p in processes}:
             absent = UNKNOWN_UTILIZATION
-        return [p._replace(utilization=peaks.get(p.pid, absent)) for p in processes]
+        return [  # made anew, not _replace()d: that costs a microsecond a process
+            NvmlProcess(pid, used, kind, peaks.get(pid, absent), gpu_instance, compute_instance)
+            for pid, used, kind, _, gpu_instance, compute_instance in processes
+        ]
 
     def _utilization_since(self, info: GpuInfo) -> int:
         """Where the GPU's next utilization read starts (µs): after the newest sample seen, or
