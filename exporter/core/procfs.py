@@ -261,12 +261,16 @@ class ProcFs:
         uid = os.fstat(kept.dir_fd).st_uid  # the directory's owner is the process's euid, now
         stat = os.pread(kept.stat_fd, _STAT_BYTES, 0)
         close_paren = stat.rfind(b")")
-        # state, ppid, pgid, sid, ..., start time: the fields up to the 22nd
-        rest = stat[close_paren + 2 :].split(None, 20)
-        if close_paren < 0 or len(rest) < 21:
-            return None  # not a stat line (a zombie's may be cut short): not visible
-        facts = (stat[:close_paren], *rest[:4], rest[19], uid)
+        if close_paren < 0:
+            return None  # not a stat line: not visible
+        # the name, state, ppid, pgid and sid: what can change while the kept files are the
+        # same process's (its start time cannot)
+        facts = (stat[:close_paren], *stat[close_paren + 2 :].split(None, 4)[:4], uid)
         if kept.info is None or facts != kept.facts:
+            # state, ppid, pgid, sid, ..., start time: the fields up to the 22nd
+            rest = stat[close_paren + 2 :].split(None, 20)
+            if len(rest) < 21:
+                return None  # a zombie's may be cut short: not visible
             kept.facts, kept.info = facts, self._process(pid, kept.dir_fd, stat, rest, uid)
         return kept.info
 
