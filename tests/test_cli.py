@@ -489,3 +489,18 @@ def test_serve_sleeps_until_a_signal_comes() -> None:
         assert signals.wait(None) is True
         assert signals.wait(None) is True  # a stop stays asked
     assert signal.getsignal(signal.SIGHUP) is before
+
+
+def test_serving_freezes_start_up_and_collects_the_young_generation_less_often() -> None:
+    import gc
+
+    from exporter.cli import YOUNG_GC_THRESHOLD, tune_collector
+
+    before = gc.get_threshold()
+    try:
+        tune_collector()
+        assert gc.get_threshold() == (YOUNG_GC_THRESHOLD, *before[1:])
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
