@@ -14,6 +14,7 @@ import math
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 from prometheus_client.core import Metric
@@ -315,7 +316,7 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
                     "GPU memory used by one process on one GPU.",
                     PROCESS_LABELS,
                 ),
-                lambda p: p.used_memory_bytes,
+                attrgetter("used_memory_bytes"),
             ),
             (
                 gauge(
@@ -324,7 +325,7 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
                     "(0-1).",
                     PROCESS_LABELS,
                 ),
-                lambda p: p.sm_utilization_ratio,
+                attrgetter("sm_utilization_ratio"),
             ),
             *(
                 (
@@ -344,9 +345,9 @@ def gpu_families(snapshot: Snapshot) -> list[AnyFamily]:
 
 #: The per-process utilizations beside the SMs': (metric's word, what, its value).
 _PROCESS_UTILIZATIONS: tuple[tuple[str, str, Callable[[GpuProcess], float | None]], ...] = (
-    ("memory", "memory (frame buffer) bandwidth", lambda p: p.memory_utilization_ratio),
-    ("encoder", "video encoder", lambda p: p.encoder_utilization_ratio),
-    ("decoder", "video decoder", lambda p: p.decoder_utilization_ratio),
+    ("memory", "memory (frame buffer) bandwidth", attrgetter("memory_utilization_ratio")),
+    ("encoder", "video encoder", attrgetter("encoder_utilization_ratio")),
+    ("decoder", "video decoder", attrgetter("decoder_utilization_ratio")),
 )
 
 
@@ -558,14 +559,15 @@ def _per_process(
     """One series per process (and type) on each GPU in each of ``families`` (a family and the
     process's value in it); a process whose value is None has none. A process's label values
     are one tuple, shared by its series."""
+    appends = [(family.rows.append, value) for family, value in families]  # Family.add's rows
     for gpu in gpus:
         index = str(gpu.index)
         for proc in gpu.processes or ():
             labels = (index, gpu.uuid, str(proc.pid), proc.user, proc.name, proc.type)
-            for family, value in families:
+            for append, value in appends:
                 number = value(proc)
                 if number is not None:
-                    family.add(labels, number)
+                    append((labels, number))
     return [family for family, _ in families]
 
 
