@@ -162,9 +162,9 @@ class JobWatch:
             return None
         found: list[JobEnd] = []
         for watched in self._watched.values():
-            if (
-                watched.key == me.key
-                or watched.ended_at is None
+            if (  # most have not ended: that is asked first, it is the cheapest
+                watched.ended_at is None
+                or watched is me
                 or uuid not in watched.listed_on
                 or watched.start_ticks > me.start_ticks  # started after it: not its job
             ):
