@@ -199,7 +199,7 @@ class GpuReading:
 
 def _instance(value: Any) -> int | None:
     """A MIG instance id of a process entry; None for NVML's "none" (0xFFFFFFFF)."""
-    if value is None or value == _NO_INSTANCE:
+    if value is None:
         return None
     number = int(value)
     return None if number == _NO_INSTANCE else number
