@@ -431,7 +431,7 @@ def to_gpu_process(
     """A Snapshot process from NVML's view (memory, utilization) and procfs' (None: not visible
     under the root); its command line only when ``cmdline``. A sample makes one per GPU
     process: its fields are given in their order (test_to_gpu_process_fills_every_field_by_name
-    holds this to the names), which costs a third less than by keyword."""
+    holds this to the names): some 15 % less than by keyword, and no dict to build."""
     sm, memory, encoder, decoder = utilization
     if info is None:
         return GpuProcess(
