@@ -29,7 +29,8 @@ samples (scrapes per sample as the two targets say) so that neither finishes lon
 other and the scrapers do not starve the sampler. At checkpoints the
 clients pause, and the agent is read from outside while no request is in flight: VmRSS,
 threads (``/proc/PID/status``), open descriptors (``/proc/PID/fd``, pidfds left out: the reaper
-holds one per GPU process it watches) and its children, live and
+holds one per GPU process it watches; the sampler's kept procfs descriptors of GPU processes
+counted apart, bounded by the processes listed) and its children, live and
 defunct. A monitor client parses the per-process series of ``/metrics`` every 100 ms. At the
 end, ``/metrics`` and ``/snapshot`` of the same sample are compared, and the agent is stopped
 and must leave no process behind.
@@ -144,18 +145,31 @@ def proc_status(pid: int) -> dict[str, str]:
         return {}
 
 
-def open_fds(pid: int) -> int:
-    """Open file descriptors of ``pid``, its pidfds left out: the zombie reaper holds one on
-    each GPU process it watches (the evidence that a job ended), so their number follows the
-    churning processes, not a leak."""
-    count = 0
+def open_fds(pid: int) -> tuple[int, int]:
+    """Open file descriptors of ``pid``: (the rest, the kept ``/proc/PID`` directories and
+    ``stat`` files). Neither count has its pidfds: the zombie reaper holds one on each GPU
+    process it watches (the evidence that a job ended). The sampler keeps a GPU process's
+    procfs directory and ``stat`` open while the process is listed and lets them go at the
+    sample after it vanished: those follow the churning processes too, and are counted apart
+    so that a replacement caught between two samples does not read as two descriptors fewer."""
+    rest = kept = 0
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            pidfd = os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[pidfd]"
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:  # closed meanwhile
             continue
-        count += not pidfd
-    return count
+        if target == "anon_inode:[pidfd]":
+            continue
+        if _KEPT_PROCFS.fullmatch(target):
+            kept += 1
+        else:
+            rest += 1
+    return rest, kept
+
+
+#: A GPU process's procfs directory or ``stat`` as the sampler keeps them (``(deleted)`` once
+#: the process has ended and before the next sample lets it go).
+_KEPT_PROCFS = re.compile(r"/proc/\d+(/stat)?( \(deleted\))?")
 
 
 def is_simulation_guard(pid: int) -> bool:
@@ -374,19 +388,22 @@ class Checkpoint:
     rss_mb: float
     threads: int
     fds: int
+    #: kept procfs descriptors of GPU processes (``open_fds``), the most of the readings
+    procfs_fds: int
     children: int
     defunct: int
     cpu_s: float
 
 
-def quiet_reading(pid: int, reads: int = 10) -> tuple[float, int, int, int, int]:
-    """(VmRSS MB, threads, fds, live children, defunct children) once the agent's request
+def quiet_reading(pid: int, reads: int = 10) -> tuple[float, int, int, int, int, int]:
+    """(VmRSS MB, threads, fds, kept procfs fds, live children, defunct children) once the
+    agent's request
     threads have ended: threads are read until the same count comes five times in a row.
     The agent goes on meanwhile: the sampler may be starting a process (a descriptor or two
     and a child more, or one less, for a few ms), the reaper scanning /proc (a descriptor more
     for a while). So each figure is the least of ``reads`` readings over half a second (the
-    most, for live children): what stays, not what comes and goes. The simulation's guard is
-    not counted among the children."""
+    most, for live children and kept procfs descriptors): what stays, not what comes and goes.
+    The simulation's guard is not counted among the children."""
     deadline, same, last = time.monotonic() + 5, 0, -1
     while same < 5 and time.monotonic() < deadline:
         threads = int(proc_status(pid).get("Threads", "0"))
@@ -400,15 +417,16 @@ def quiet_reading(pid: int, reads: int = 10) -> tuple[float, int, int, int, int]
             (
                 int(status["VmRSS"].split()[0]) * 1024 / 1e6,
                 int(status["Threads"]),
-                open_fds(pid),
+                *open_fds(pid),
                 sum(1 for state in kids.values() if state != "Z"),
                 sum(1 for state in kids.values() if state == "Z"),
             )
         )
         time.sleep(0.05)
-    rss, threads, fds, _, defunct = (min(column) for column in zip(*rows, strict=True))
-    live = max(row[3] for row in rows)  # a churning child is briefly missing while replaced
-    return rss, threads, fds, live, defunct
+    rss, threads, fds, _, _, defunct = (min(column) for column in zip(*rows, strict=True))
+    kept = max(row[3] for row in rows)
+    live = max(row[4] for row in rows)  # a churning child is briefly missing while replaced
+    return rss, threads, fds, kept, live, defunct
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -577,7 +595,7 @@ def _first_sample(clients: Clients, agent: subprocess.Popen[bytes], started: flo
 
 
 def _checkpoint(clients: Clients, pid: int, started: float) -> Checkpoint:
-    rss, threads, fds, live, defunct = quiet_reading(pid)
+    rss, threads, fds, kept, live, defunct = quiet_reading(pid)
     cpu = cpu_seconds(pid)
     return Checkpoint(
         at_s=time.monotonic() - started,
@@ -586,6 +604,7 @@ def _checkpoint(clients: Clients, pid: int, started: float) -> Checkpoint:
         rss_mb=rss,
         threads=threads,
         fds=fds,
+        procfs_fds=kept,
         children=live,
         defunct=defunct,
         cpu_s=cpu,
@@ -684,6 +703,8 @@ def rows(outcome: Outcome) -> list[tuple[str, str, str, bool | None]]:
     cpu = (end.cpu_s - warm.cpu_s) / max(end.at_s - warm.at_s, 1e-9) * 100
     per_sample = (end.at_s - first.at_s) / max(end.samples - first.samples, 1) * 1000
     defunct = max(c.defunct for c in o.checkpoints)
+    kept = max(c.procfs_fds for c in after)
+    kept_limit = 2 * 3 * opts.gpus  # a steady and a churning real process, and one just ended
     seen = o.invisible_pids_seen + o.visible_pids_seen
     out: list[tuple[str, str, str, bool | None]] = [
         ("samples taken", f"{o.samples:.0f}", f">= {opts.samples}", o.samples >= opts.samples),
@@ -731,6 +752,12 @@ def rows(outcome: Outcome) -> list[tuple[str, str, str, bool | None]]:
         ),
         ("RSS trend after warm-up (MB/10k samples)", f"{o.rss_slope_mb():+.2f}", "", None),
         ("open fds, warm-up -> end", f"{warm.fds} -> {end.fds}", "equal", warm.fds == end.fds),
+        (
+            "kept procfs fds of GPU processes, most after warm-up",
+            f"{kept}",
+            f"<= {kept_limit} (2 per real process, one ended one a GPU)",
+            kept <= kept_limit,
+        ),
         (
             "threads, warm-up -> end",
             f"{warm.threads} -> {end.threads}",
@@ -814,13 +841,16 @@ def table(outcome: Outcome) -> str:
 
 
 def checkpoint_table(outcome: Outcome) -> str:
-    head = f"{'at (s)':>7} {'samples':>8} {'scrapes':>8} {'RSS (MB)':>9} {'threads':>7} {'fds':>4}"
+    head = (
+        f"{'at (s)':>7} {'samples':>8} {'scrapes':>8} {'RSS (MB)':>9} {'threads':>7} {'fds':>4}"
+        f" {'procfs':>6}"
+    )
     out = [head]
     for i, c in enumerate(outcome.checkpoints):
         mark = "  <- warm-up" if i == outcome.warmup_index else ""
         out.append(
             f"{c.at_s:7.1f} {c.samples:8.0f} {c.scrapes:8d} {c.rss_mb:9.2f} {c.threads:7d} "
-            f"{c.fds:4d}{mark}"
+            f"{c.fds:4d} {c.procfs_fds:6d}{mark}"
         )
     return "\n".join(out)
 

@@ -81,6 +81,9 @@ def test_descriptors_threads_and_children_stay_constant(quick):
     warm, end = f["checkpoints"][f["warmup_index"]], f["checkpoints"][-1]
     assert warm["samples"] >= 120  # the agent's history is full before the baseline
     assert (warm["fds"], warm["threads"]) == (end["fds"], end["threads"])
+    # the kept procfs descriptors follow the listed processes: 2 a process, never piling up
+    kept = [c["procfs_fds"] for c in f["checkpoints"][f["warmup_index"] :]]
+    assert 2 * 2 * f["options"]["gpus"] <= max(kept) <= 2 * 3 * f["options"]["gpus"], kept
     assert end["children"] == 2 * f["options"]["gpus"]
     assert all(c["defunct"] == 0 for c in f["checkpoints"])  # ended ones are reaped at once
 
@@ -166,7 +169,8 @@ def test_the_final_check_finds_series_left_behind_and_a_wrong_shape():
 def test_a_descriptor_more_at_the_end_is_a_missed_goal():
     soak = _soak_module()
     options = soak.Options(1, 600, 5000, 0.02, 1, 1, 0.4, 1, 2.0, 60.0)
-    point = dict(samples=300, scrapes=3000, rss_mb=40.0, threads=7, fds=8, children=2)
+    point = dict(samples=300, scrapes=3000, rss_mb=40.0, threads=7, fds=8, procfs_fds=4)
+    point.update(children=2)
     point.update(defunct=0, cpu_s=1.0)
     outcome = soak.Outcome(options, warmup_index=1, exit_code=0, action_runs={"thermal": [9, 0]})
     outcome.checkpoints = [
@@ -177,8 +181,11 @@ def test_a_descriptor_more_at_the_end_is_a_missed_goal():
     verdicts = {name: met for name, _, _, met in soak.rows(outcome)}
     assert verdicts["open fds, warm-up -> end"] is True
     assert verdicts["RSS growth after warm-up, max (MB)"] is True
+    assert verdicts["kept procfs fds of GPU processes, most after warm-up"] is True
     outcome.checkpoints[-1].fds = 9
+    outcome.checkpoints[-1].procfs_fds = 7  # 6 at most for one GPU: kept ones piling up
     outcome.checkpoints[-1].rss_mb = 42.5
     verdicts = {name: met for name, _, _, met in soak.rows(outcome)}
     assert verdicts["open fds, warm-up -> end"] is False
     assert verdicts["RSS growth after warm-up, max (MB)"] is False
+    assert verdicts["kept procfs fds of GPU processes, most after warm-up"] is False
