@@ -397,8 +397,8 @@ class Checkpoint:
 
 def quiet_reading(pid: int, reads: int = 10) -> tuple[float, int, int, int, int, int]:
     """(VmRSS MB, threads, fds, kept procfs fds, live children, defunct children) once the
-    agent's request
-    threads have ended: threads are read until the same count comes five times in a row.
+    agent's request threads have ended: threads are read until the same count comes five
+    times in a row.
     The agent goes on meanwhile: the sampler may be starting a process (a descriptor or two
     and a child more, or one less, for a few ms), the reaper scanning /proc (a descriptor more
     for a while). So each figure is the least of ``reads`` readings over half a second (the
