@@ -145,6 +145,11 @@ def proc_status(pid: int) -> dict[str, str]:
         return {}
 
 
+#: A GPU process's procfs directory or ``stat`` as the sampler keeps them (``(deleted)`` once
+#: the process has ended and before the next sample lets it go).
+_KEPT_PROCFS = re.compile(r"/proc/\d+(/stat)?( \(deleted\))?")
+
+
 def open_fds(pid: int) -> tuple[int, int]:
     """Open file descriptors of ``pid``: (the rest, the kept ``/proc/PID`` directories and
     ``stat`` files). Neither count has its pidfds: the zombie reaper holds one on each GPU
@@ -165,11 +170,6 @@ def open_fds(pid: int) -> tuple[int, int]:
         else:
             rest += 1
     return rest, kept
-
-
-#: A GPU process's procfs directory or ``stat`` as the sampler keeps them (``(deleted)`` once
-#: the process has ended and before the next sample lets it go).
-_KEPT_PROCFS = re.compile(r"/proc/\d+(/stat)?( \(deleted\))?")
 
 
 def is_simulation_guard(pid: int) -> bool:
