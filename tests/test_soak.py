@@ -170,8 +170,7 @@ def test_a_descriptor_more_at_the_end_is_a_missed_goal():
     soak = _soak_module()
     options = soak.Options(1, 600, 5000, 0.02, 1, 1, 0.4, 1, 2.0, 60.0)
     point = dict(samples=300, scrapes=3000, rss_mb=40.0, threads=7, fds=8, procfs_fds=4)
-    point.update(children=2)
-    point.update(defunct=0, cpu_s=1.0)
+    point.update(children=2, defunct=0, cpu_s=1.0)
     outcome = soak.Outcome(options, warmup_index=1, exit_code=0, action_runs={"thermal": [9, 0]})
     outcome.checkpoints = [
         soak.Checkpoint(at_s=1, **{**point, "samples": 2}),
